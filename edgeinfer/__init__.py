@@ -1,0 +1,50 @@
+"""edgeinfer: run language models on the device in front of you, offline.
+
+    import edgeinfer
+    with edgeinfer.load("smollm2-135m-instruct") as model:
+        for chunk in model.stream("The capital of France is", max_new_tokens=32):
+            print(chunk.text, end="", flush=True)
+
+Importing this package loads only the standard library, numpy and psutil; engines are
+imported when a model of their format is loaded.
+"""
+
+from __future__ import annotations
+
+from .config import LoadConfig
+from .errors import (
+    BackendUnavailableError,
+    ChatTemplateError,
+    ConversionError,
+    EdgeInferError,
+    InvalidRequestError,
+    MemoryBudgetError,
+    ModelFetchError,
+    ModelLoadError,
+)
+from .generation import Chunk, GenerationResult, GenerationStats, TokenStream
+from .loader import load
+from .model import Model
+from .sampling import SamplingConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailableError",
+    "ChatTemplateError",
+    "Chunk",
+    "ConversionError",
+    "EdgeInferError",
+    "GenerationResult",
+    "GenerationStats",
+    "InvalidRequestError",
+    "LoadConfig",
+    "MemoryBudgetError",
+    "Model",
+    "ModelFetchError",
+    "ModelLoadError",
+    "SamplingConfig",
+    "TokenStream",
+    "__version__",
+    "load",
+]

@@ -1,0 +1,192 @@
+"""The ``edgeinfer`` command: run, chat, models. Every EdgeInferError -> one line, exit 1."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from . import __version__, catalog
+from .errors import EdgeInferError, InvalidRequestError
+
+logger = logging.getLogger("edgeinfer")
+
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | metal (default: auto)")
+    g.add_argument("--context-length", type=int, metavar="N",
+                   help="tokens the KV cache holds (default: the model's, at most 8192)")
+    g.add_argument("--threads", type=int, metavar="N", help="compute threads (default: cores)")
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("-n", "--max-new-tokens", type=int, metavar="N",
+                   help="most tokens to generate (default: 256)")
+    g.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default: 0.8)")
+    g.add_argument("--top-k", type=int, metavar="K", help="0 = off (default: 40)")
+    g.add_argument("--top-p", type=float, metavar="P", help="1 = off (default: 0.95)")
+    g.add_argument("--min-p", type=float, metavar="P", help="0 = off (default: 0)")
+    g.add_argument("--repetition-penalty", type=float, metavar="R", help="1 = off (default: 1)")
+    g.add_argument("--seed", type=int, metavar="S", help="same seed, same output")
+    g.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop before this text (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="edgeinfer",
+        description="Run language models on this machine, offline.",
+        epilog="Models live in $EDGEINFER_HOME (default ~/.cache/edgeinfer).",
+    )
+    parser.add_argument("--version", action="version", version=f"edgeinfer {__version__}")
+    parser.add_argument("--debug", action="store_true", help="log everything, tracebacks")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what edgeinfer does")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    run = sub.add_parser("run", help="complete one prompt; the text alone goes to stdout",
+                         description="Complete PROMPT and stream the text to stdout.")
+    run.add_argument("model", metavar="MODEL", help="catalog name, .gguf file or model folder")
+    run.add_argument("-p", "--prompt", required=True, help="the prompt ('-' reads stdin)")
+    run.add_argument("--chat", action="store_true",
+                     help="send PROMPT as a user message through the model's chat template")
+    run.add_argument("--stats", action="store_true", help="print timing figures on stderr")
+    run.add_argument("--json", action="store_true", help="print one JSON object instead")
+    _add_sampling_flags(run)
+    _add_model_flags(run)
+
+    chat = sub.add_parser("chat", help="talk with a model in the terminal",
+                          description="Interactive chat. /reset, /stats, /exit; Ctrl-C stops "
+                                      "a reply, Ctrl-D quits.")
+    chat.add_argument("model", metavar="MODEL", nargs="?", default=catalog.DEFAULT_MODEL,
+                      help=f"catalog name, .gguf file or model folder "
+                           f"(default: {catalog.DEFAULT_MODEL})")
+    chat.add_argument("--system", metavar="TEXT", help="system message for the conversation")
+    _add_sampling_flags(chat)
+    _add_model_flags(chat)
+
+    models = sub.add_parser("models", help="list, fetch or locate catalog models")
+    msub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
+    msub.add_parser("list", help="catalog entries and which are present")
+    fetch = msub.add_parser("fetch", help="download a catalog model into $EDGEINFER_HOME")
+    fetch.add_argument("name", metavar="NAME")
+    fetch.add_argument("--force", action="store_true", help="fetch again even if present")
+    path = msub.add_parser("path", help="print the local path of a catalog model")
+    path.add_argument("name", metavar="NAME")
+    return parser
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p",
+             "repetition_penalty", "seed", "stop")
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+def load_model(args: argparse.Namespace) -> Any:
+    from .loader import load
+
+    return load(args.model, device=args.device, context_length=args.context_length,
+                threads=args.threads)
+
+
+def format_stats(stats: Any, finish_reason: str) -> str:
+    return (
+        f"prompt {stats.prompt_tokens} tok (reused {stats.reused_prompt_tokens}), "
+        f"completion {stats.completion_tokens} tok, ttft {stats.ttft_s * 1000:.0f} ms, "
+        f"prefill {stats.prefill_tokens_per_s:.0f} tok/s, "
+        f"decode {stats.decode_tokens_per_s:.1f} tok/s, finish {finish_reason}"
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    kwargs = sampling_kwargs(args)
+    with load_model(args) as model:
+        if args.chat:
+            stream = model.chat([{"role": "user", "content": prompt}], stream=True, **kwargs)
+        else:
+            stream = model.stream(prompt, **kwargs)
+        with stream:
+            for chunk in stream:
+                if not args.json and chunk.text:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+        result = stream.result
+        assert result is not None
+        if args.json:
+            json.dump({"model": args.model, "text": result.text,
+                       "token_ids": list(result.token_ids),
+                       "finish_reason": result.finish_reason,
+                       "stats": asdict(result.stats)}, sys.stdout, ensure_ascii=False)
+            sys.stdout.write("\n")
+        elif sys.stdout.isatty():
+            sys.stdout.write("\n")
+        if args.stats:
+            print(format_stats(result.stats, result.finish_reason), file=sys.stderr)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    if args.models_command == "list":
+        for entry in catalog.CATALOG.values():
+            present = "present" if catalog.is_present(entry) else "not fetched"
+            size = f"{entry.size / 1e6:.0f} MB" if entry.size else ""
+            print(f"{entry.name:<28} {entry.format:<5} {size:>7}  {present:<11}  "
+                  f"{entry.description}")
+        return 0
+    entry = catalog.lookup(args.name)
+    if entry is None:
+        raise InvalidRequestError(
+            f"{args.name!r} is not in the catalog; see 'edgeinfer models list'"
+        )
+    if args.models_command == "fetch":
+        print(catalog.fetch(args.name, force=args.force))
+        return 0
+    if not catalog.is_present(entry):
+        raise InvalidRequestError(
+            f"{args.name} is not fetched yet; run 'edgeinfer models fetch {args.name}'"
+        )
+    print(catalog.local_path(entry))
+    return 0
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    level = logging.DEBUG if args.debug else logging.INFO if args.verbose else logging.WARNING
+    logging.basicConfig(level=level, format="edgeinfer: %(message)s", stream=sys.stderr)
+    if not args.debug:  # the engine's own log is only for --debug
+        logging.getLogger("edgeinfer.runtimes.llama_cpp.engine").setLevel(logging.WARNING)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args)
+    from .chat_cli import cmd_chat
+
+    commands = {"run": cmd_run, "chat": cmd_chat, "models": cmd_models}
+    try:
+        return commands[args.command](args)
+    except EdgeInferError as exc:
+        if args.debug:
+            raise
+        print(f"edgeinfer: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # stdout closed early (| head): not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the exit-time flush does not fail again
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

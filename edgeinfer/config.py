@@ -1,0 +1,50 @@
+"""LoadConfig: how a model is opened (device, context length, threads), validated up front."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import psutil
+
+from .errors import InvalidRequestError
+
+__all__ = ["DEFAULT_CONTEXT_LENGTH", "LoadConfig"]
+
+# Context used when the caller gives none: the model's trained context, capped here so a
+# 128k-context model does not reserve a KV cache for 128k tokens by default.
+DEFAULT_CONTEXT_LENGTH = 8192
+_MIN_CONTEXT_LENGTH = 16
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    device: str = "auto"
+    context_length: int | None = None
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not self.device:
+            raise InvalidRequestError(f"device={self.device!r} is invalid: expected a name")
+        ctx = self.context_length
+        if ctx is not None and (
+            not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < _MIN_CONTEXT_LENGTH
+        ):
+            raise InvalidRequestError(
+                f"context_length={ctx!r} is invalid: expected None or an integer >= "
+                f"{_MIN_CONTEXT_LENGTH}"
+            )
+        threads = self.threads
+        if threads is not None and (
+            not isinstance(threads, int) or isinstance(threads, bool) or threads < 1
+        ):
+            raise InvalidRequestError(
+                f"threads={threads!r} is invalid: expected None or an integer >= 1"
+            )
+
+    @property
+    def resolved_threads(self) -> int:
+        """Threads to compute with: the caller's number, else the physical cores."""
+        if self.threads is not None:
+            return self.threads
+        return psutil.cpu_count(logical=False) or os.cpu_count() or 1

@@ -1,0 +1,59 @@
+"""Errors edgeinfer raises on purpose.
+
+    EdgeInferError                      base of everything below
+    ├── ModelLoadError                  missing, corrupt or unsupported model file
+    │   └── ModelFetchError             a catalog model could not be fetched or verified
+    ├── BackendUnavailableError         engine or provider not installed, or it failed
+    ├── MemoryBudgetError               the memory plan does not fit the budget
+    ├── ConversionError                 export, quantization or validation failed
+    └── InvalidRequestError             bad sampling arguments, prompt too long, bad messages
+        └── ChatTemplateError           the model's chat template failed to render
+
+Engine exceptions are mapped at the backend boundary with ``raise ... from exc``, so the
+original error stays attached as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "ChatTemplateError",
+    "ConversionError",
+    "EdgeInferError",
+    "InvalidRequestError",
+    "MemoryBudgetError",
+    "ModelFetchError",
+    "ModelLoadError",
+]
+
+
+class EdgeInferError(Exception):
+    """Base class of every error edgeinfer raises on purpose."""
+
+
+class ModelLoadError(EdgeInferError):
+    """The model file is missing, corrupt, truncated or of an unsupported kind."""
+
+
+class ModelFetchError(ModelLoadError):
+    """A catalog model could not be downloaded, verified or extracted."""
+
+
+class BackendUnavailableError(EdgeInferError):
+    """The engine or provider a model needs is not installed or failed to start."""
+
+
+class MemoryBudgetError(EdgeInferError):
+    """The memory plan for a model does not fit the budget."""
+
+
+class ConversionError(EdgeInferError):
+    """Export, quantization or validation of a converted model failed."""
+
+
+class InvalidRequestError(EdgeInferError, ValueError):
+    """A request's arguments are invalid (sampling values, prompt length, messages)."""
+
+
+class ChatTemplateError(InvalidRequestError):
+    """The model's chat template is missing or failed to render the messages."""

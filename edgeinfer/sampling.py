@@ -1,0 +1,190 @@
+"""Sampling: one frozen, validated SamplingConfig, and a sampler built from it per request.
+
+The sampler works on the last position's logits (float32, shape [vocab]) with numpy only; no
+Python loop touches the vocabulary. Order of the transforms: logit bias, repetition penalty,
+temperature, top-k, top-p, min-p, then a draw from what is left. ``temperature=0`` is greedy
+(argmax after bias and penalty).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidRequestError
+
+__all__ = ["Sampler", "SamplingConfig"]
+
+# The first candidate set tried for top-p; grown 4x until it holds the nucleus.
+_TOP_P_FIRST_GUESS = 64
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, bool
+    )
+
+
+def _bad(name: str, value: object, expected: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{name}={value!r} is invalid: expected {expected}")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to pick each next token. Build with keywords; every field is validated."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.8
+    top_k: int | None = 40
+    top_p: float = 0.95
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_window: int = 64
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        if isinstance(self.logit_bias, Mapping):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        self._validate_numbers()
+        self._validate_collections()
+
+    def _validate_numbers(self) -> None:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise _bad("max_new_tokens", self.max_new_tokens, "an integer >= 1")
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise _bad("temperature", self.temperature, "a finite number >= 0 (0 = greedy)")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 0):
+            raise _bad("top_k", self.top_k, "None, 0 (off) or an integer >= 1")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise _bad("top_p", self.top_p, "a number in (0, 1]; 1 turns it off")
+        if not _is_number(self.min_p) or not 0 <= self.min_p < 1:
+            raise _bad("min_p", self.min_p, "a number in [0, 1); 0 turns it off")
+        penalty = self.repetition_penalty
+        if not _is_number(penalty) or not 0 < penalty < math.inf:
+            raise _bad("repetition_penalty", penalty, "a finite number > 0; 1 turns it off")
+        if not _is_int(self.repetition_window) or self.repetition_window < 0:
+            raise _bad("repetition_window", self.repetition_window, "an integer >= 0")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise _bad("seed", self.seed, "None or an integer in [0, 2**64)")
+
+    def _validate_collections(self) -> None:
+        stops = self.stop
+        if not isinstance(stops, Sequence) or not all(isinstance(s, str) and s for s in stops):
+            raise _bad("stop", stops, "a string or a list of non-empty strings")
+        object.__setattr__(self, "stop", tuple(stops))
+        for pair in self.logit_bias:
+            if len(pair) != 2 or not _is_int(pair[0]) or not _is_number(pair[1]):
+                raise _bad("logit_bias", dict(self.logit_bias), "a mapping token id -> number")
+            banned = pair[1] == -math.inf
+            if pair[0] < 0 or not (math.isfinite(pair[1]) or banned):
+                raise _bad(
+                    "logit_bias", dict(self.logit_bias), "ids >= 0, finite biases (-inf bans)"
+                )
+
+    @classmethod
+    def from_kwargs(cls, base: SamplingConfig | None = None, **kwargs: Any) -> SamplingConfig:
+        """``base`` (or the defaults) with the given fields replaced; unknown names rejected."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown sampling argument(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        return replace(base or cls(), **kwargs)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    """Picks the next token from one position's logits; one instance per request."""
+
+    def __init__(self, config: SamplingConfig, vocab_size: int) -> None:
+        self.config = config
+        self._rng = np.random.default_rng(config.seed)
+        self._bias_ids = np.array([i for i, _ in config.logit_bias], dtype=np.int64)
+        self._bias_values = np.array([b for _, b in config.logit_bias], dtype=np.float32)
+        if self._bias_ids.size and int(self._bias_ids.max()) >= vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias names token id {int(self._bias_ids.max())}, but the vocabulary "
+                f"has {vocab_size} tokens (ids 0..{vocab_size - 1})"
+            )
+        self._needs_copy = bool(self._bias_ids.size) or config.repetition_penalty != 1.0
+
+    def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        """logits: float32 [vocab] (may be an engine-owned view; it is never written)."""
+        cfg = self.config
+        if not self._needs_copy:
+            if cfg.greedy:
+                return int(np.argmax(logits))
+            x = logits.astype(np.float32)  # a copy: the engine's buffer stays untouched
+        else:
+            x = np.array(logits, dtype=np.float32)
+            self._apply_bias_and_penalty(x, history)
+            if cfg.greedy:
+                return int(np.argmax(x))
+        x /= np.float32(cfg.temperature)
+        ids, probs = self._filter(x)
+        return int(ids[self._draw(probs)])
+
+    def _apply_bias_and_penalty(self, x: np.ndarray, history: Sequence[int]) -> None:
+        if self._bias_ids.size:
+            x[self._bias_ids] += self._bias_values
+        cfg = self.config
+        if cfg.repetition_penalty != 1.0 and cfg.repetition_window and len(history):
+            recent = np.unique(np.asarray(history[-cfg.repetition_window :], dtype=np.int64))
+            recent = recent[(recent >= 0) & (recent < x.size)]
+            values = x[recent]
+            penalty = np.float32(cfg.repetition_penalty)
+            x[recent] = np.where(values > 0, values / penalty, values * penalty)
+
+    def _filter(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Candidate ids and their (unnormalised) probabilities after top-k/top-p/min-p."""
+        cfg = self.config
+        p = np.exp(x - x.max())  # [vocab], unnormalised
+        vocab = x.size
+        k = vocab if not cfg.top_k else min(cfg.top_k, vocab)
+        if cfg.top_p >= 1.0:
+            ids = np.arange(vocab) if k == vocab else np.argpartition(x, vocab - k)[vocab - k :]
+        else:
+            ids = self._nucleus(x, p, k)
+        probs = p[ids]
+        if cfg.min_p > 0:
+            keep = probs >= np.float32(cfg.min_p) * probs.max()
+            ids, probs = ids[keep], probs[keep]
+        return ids, probs
+
+    def _nucleus(self, x: np.ndarray, p: np.ndarray, k: int) -> np.ndarray:
+        """Top-p over the top-k set: the smallest prefix (by probability) holding top_p mass."""
+        vocab = x.size
+        total = p.sum() if k == vocab else p[np.argpartition(x, vocab - k)[vocab - k :]].sum()
+        target = self.config.top_p * total
+        m = min(_TOP_P_FIRST_GUESS, k)
+        while True:
+            top = np.argpartition(x, vocab - m)[vocab - m :] if m < vocab else np.arange(vocab)
+            top = top[np.argsort(-x[top], kind="stable")]
+            cum = np.cumsum(p[top], dtype=np.float64)
+            if cum[-1] >= target or m == k:
+                return top[: int(np.searchsorted(cum, target)) + 1][:m]
+            m = min(m * 4, k)
+
+    def _draw(self, probs: np.ndarray) -> int:
+        cum = np.cumsum(probs, dtype=np.float64)
+        pick = int(np.searchsorted(cum, self._rng.random() * cum[-1], side="right"))
+        return min(pick, len(cum) - 1)

@@ -1,0 +1,347 @@
+"""GGUF backend over llama.cpp's C API (through llama-cpp-python's ctypes bindings).
+
+Our generator drives the loop: this module submits token batches with ``llama_decode`` and
+hands back a view of the last position's logits. It never calls llama-cpp-python's
+high-level ``Llama`` class.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgeinfer.config import DEFAULT_CONTEXT_LENGTH, LoadConfig
+from edgeinfer.errors import (
+    BackendUnavailableError,
+    EdgeInferError,
+    InvalidRequestError,
+    ModelLoadError,
+)
+from edgeinfer.gguf_file import GGUFHeader
+
+__all__ = ["LlamaCppBackend", "LlamaCppTokenizer", "open_backend"]
+
+logger = logging.getLogger(__name__)
+_engine_log = logging.getLogger(__name__ + ".engine")
+
+_MAX_BATCH = 512  # tokens per llama_decode call during prefill
+_KV_ELEMENT_BYTES = 2  # llama.cpp's default KV cache type is f16
+_GPU_DEVICES = frozenset({"cuda", "metal", "gpu", "vulkan"})
+
+
+def _forward_engine_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    message = text.decode("utf-8", errors="replace").rstrip()
+    if message:
+        _engine_log.debug(message)
+
+
+@functools.cache
+def _engine() -> tuple[Any, Any]:
+    """Import and initialise llama.cpp once; its log goes to the ``.engine`` logger."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "GGUF models need llama-cpp-python: pip install 'edgeinfer[gguf]'"
+        ) from exc
+    callback = llama_cpp.llama_log_callback(_forward_engine_log)
+    llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))
+    llama_cpp.llama_backend_init()
+    return llama_cpp, callback  # the callback object must stay alive
+
+
+def open_backend(path: Path, config: LoadConfig, header: GGUFHeader) -> LlamaCppBackend:
+    return LlamaCppBackend(path, config, header)
+
+
+class LlamaCppTokenizer:
+    """The vocabulary stored in the GGUF file, through llama.cpp's tokenizer."""
+
+    def __init__(self, llama: Any, vocab: Any, header: GGUFHeader) -> None:
+        self._llama = llama
+        self._vocab = vocab
+        self._n_vocab = int(llama.llama_vocab_n_tokens(vocab))
+        self._pieces: dict[int, bytes] = {}
+        self._chat_template = header.metadata.get("tokenizer.chat_template")
+        self._bos = self._special_text(llama.llama_vocab_bos(vocab))
+        self._eos = self._special_text(llama.llama_vocab_eos(vocab))
+
+    def _special_text(self, token_id: int) -> str | None:
+        if token_id < 0:
+            return None
+        raw = self._llama.llama_vocab_get_text(self._live_vocab(), token_id)
+        return raw.decode("utf-8", errors="replace") if raw else None
+
+    def _live_vocab(self) -> Any:
+        if self._vocab is None:
+            raise EdgeInferError("the model is closed; load it again")
+        return self._vocab
+
+    def detach(self) -> None:
+        """Called when the engine model is freed: later calls raise instead of crashing."""
+        self._vocab = None
+
+    @property
+    def n_vocab(self) -> int:
+        return self._n_vocab
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._bos
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._eos
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template if isinstance(self._chat_template, str) else None
+
+    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+        data = text.encode("utf-8", errors="replace")
+        capacity = len(data) + 8
+        while True:
+            buf = (self._llama.llama_token * capacity)()
+            n = self._llama.llama_tokenize(
+                self._live_vocab(), data, len(data), buf, capacity, add_special, True
+            )
+            if n >= 0:
+                return list(buf[:n])
+            capacity = -n
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._piece(token_id)
+            self._pieces[token_id] = piece
+        return piece
+
+    def _piece(self, token_id: int) -> bytes:
+        if not 0 <= token_id < self._n_vocab:
+            raise InvalidRequestError(f"token id {token_id} is outside the vocabulary")
+        size = 32
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = self._llama.llama_token_to_piece(self._live_vocab(), token_id, buf, size, 0, False)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
+
+    def is_end_of_generation(self, token_id: int) -> bool:
+        return bool(self._llama.llama_vocab_is_eog(self._live_vocab(), token_id))
+
+
+class LlamaCppBackend:
+    """One llama.cpp model and context; a single sequence whose KV cache holds n_ctx tokens."""
+
+    def __init__(self, path: Path, config: LoadConfig, header: GGUFHeader) -> None:
+        llama, _ = _engine()
+        self._llama = llama
+        self._model: Any = None
+        self._ctx: Any = None
+        self._batch: Any = None
+        self._n_past = 0
+        self._logits_view: tuple[int, np.ndarray] | None = None
+        n_gpu_layers = _gpu_layers(llama, config.device)
+        self._model = self._load_model(path, n_gpu_layers)
+        try:
+            self._n_ctx = _context_length(config, int(llama.llama_model_n_ctx_train(self._model)))
+            self._threads = config.resolved_threads
+            self._n_batch = min(self._n_ctx, _MAX_BATCH)
+            self._ctx = self._new_context()
+            self._batch = llama.llama_batch_init(self._n_batch, 0, 1)
+            self._memory = llama.llama_get_memory(self._ctx)
+            self.tokenizer = LlamaCppTokenizer(
+                llama, llama.llama_model_get_vocab(self._model), header
+            )
+            self._n_vocab = self.tokenizer.n_vocab
+        except BaseException:
+            self.close()
+            raise
+        self._kv_nbytes = _kv_cache_bytes(header, self._n_ctx)
+        self._info = {
+            "backend": "llama.cpp",
+            "engine_version": getattr(llama, "__version__", "unknown"),
+            "provider": "llama.cpp GPU offload" if n_gpu_layers else "llama.cpp CPU",
+            "device": "gpu" if n_gpu_layers else "cpu",
+            "n_gpu_layers": n_gpu_layers,
+            "threads": self._threads,
+            "batch_size": self._n_batch,
+        }
+        logger.debug("llama.cpp context ready: n_ctx=%d threads=%d", self._n_ctx, self._threads)
+
+    def _load_model(self, path: Path, n_gpu_layers: int) -> Any:
+        params = self._llama.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        model = self._llama.llama_model_load_from_file(str(path).encode(), params)
+        if not model:
+            raise ModelLoadError(
+                f"llama.cpp could not load {path}: unsupported architecture or corrupt tensors "
+                "(run with --debug to see the engine's log)"
+            )
+        return model
+
+    def _new_context(self) -> Any:
+        params = self._llama.llama_context_default_params()
+        params.n_ctx = self._n_ctx
+        params.n_batch = self._n_batch
+        params.n_ubatch = self._n_batch
+        params.n_seq_max = 1
+        params.n_threads = self._threads
+        params.n_threads_batch = self._threads
+        params.no_perf = True
+        ctx = self._llama.llama_init_from_model(self._model, params)
+        if not ctx:
+            raise BackendUnavailableError(
+                f"llama.cpp could not create a context of {self._n_ctx} tokens (out of memory?); "
+                "try a smaller context_length"
+            )
+        return ctx
+
+    @property
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    @property
+    def n_past(self) -> int:
+        return self._n_past
+
+    @property
+    def kv_nbytes(self) -> int:
+        return self._kv_nbytes
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return dict(self._info)
+
+    def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise InvalidRequestError("prefill needs at least one token")
+        if self._n_past + len(ids) > self._n_ctx:
+            raise InvalidRequestError(
+                f"{self._n_past + len(ids)} tokens do not fit the context of {self._n_ctx}"
+            )
+        for start in range(0, len(ids), self._n_batch):
+            chunk = ids[start : start + self._n_batch]
+            self._submit(chunk, want_logits=start + len(chunk) == len(ids))
+        return self._last_logits()
+
+    def decode(self, token_id: int) -> np.ndarray:
+        if self._n_past >= self._n_ctx:
+            raise InvalidRequestError(f"the context of {self._n_ctx} tokens is full")
+        self._submit([int(token_id)], want_logits=True)
+        return self._last_logits()
+
+    def rewind(self, n: int) -> None:
+        if not 0 <= n <= self._n_past:
+            raise InvalidRequestError(f"cannot rewind to {n}: the cache holds {self._n_past}")
+        self._require_open()
+        # Remove positions [n, inf), not [n, n_past): after an interrupted decode the cache
+        # may hold an entry past n_past.
+        self._llama.llama_memory_seq_rm(self._memory, 0, n, -1)
+        self._n_past = n
+
+    def _submit(self, ids: list[int], *, want_logits: bool) -> None:
+        self._require_open()
+        batch = self._batch
+        n = len(ids)
+        batch.n_tokens = n
+        for i, token in enumerate(ids):
+            batch.token[i] = token
+            batch.pos[i] = self._n_past + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = 0
+        batch.logits[n - 1] = 1 if want_logits else 0
+        rc = self._llama.llama_decode(self._ctx, batch)
+        if rc != 0:
+            self._llama.llama_memory_seq_rm(self._memory, 0, self._n_past, -1)
+            raise BackendUnavailableError(f"llama.cpp failed to decode a batch (code {rc})")
+        self._n_past += n
+
+    def _last_logits(self) -> np.ndarray:
+        ptr = self._llama.llama_get_logits_ith(self._ctx, -1)
+        address = ctypes.cast(ptr, ctypes.c_void_p).value or 0
+        if not address:
+            raise BackendUnavailableError("llama.cpp returned no logits")
+        if self._logits_view is None or self._logits_view[0] != address:
+            view = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))  # [vocab] float32
+            view.flags.writeable = False
+            self._logits_view = (address, view)
+        return self._logits_view[1]
+
+    def _require_open(self) -> None:
+        if self._ctx is None:
+            raise EdgeInferError("the model is closed; load it again")
+
+    def close(self) -> None:
+        llama = self._llama
+        if getattr(self, "tokenizer", None) is not None:
+            self.tokenizer.detach()
+        if self._batch is not None:
+            llama.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            llama.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            llama.llama_model_free(self._model)
+            self._model = None
+        self._logits_view = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the bindings may already be gone
+            pass
+
+
+def _gpu_layers(llama: Any, device: str) -> int:
+    """Layers to offload: all when a GPU is asked for (or available under "auto"), else 0."""
+    name = device.lower()
+    offload = bool(llama.llama_supports_gpu_offload())
+    if name == "cpu":
+        return 0
+    if name == "auto":
+        return -1 if offload else 0
+    if name in _GPU_DEVICES:
+        if not offload:
+            raise BackendUnavailableError(
+                f"device={device!r}: this llama-cpp-python build has no GPU offload; reinstall "
+                "it with GPU support, e.g. CMAKE_ARGS='-DGGML_CUDA=on' (CUDA) or "
+                "'-DGGML_METAL=on' (Apple) pip install --force-reinstall llama-cpp-python"
+            )
+        return -1
+    raise BackendUnavailableError(
+        f"device={device!r} is not available for GGUF models; use 'auto', 'cpu' or a GPU "
+        "('cuda', 'metal')"
+    )
+
+
+def _context_length(config: LoadConfig, trained: int) -> int:
+    if config.context_length is None:
+        return min(trained, DEFAULT_CONTEXT_LENGTH) if trained > 0 else DEFAULT_CONTEXT_LENGTH
+    if trained > 0 and config.context_length > trained:
+        raise InvalidRequestError(
+            f"context_length={config.context_length} exceeds the model's trained context "
+            f"({trained} tokens); use at most {trained}"
+        )
+    return config.context_length
+
+
+def _kv_cache_bytes(header: GGUFHeader, n_ctx: int) -> int:
+    """2 (K and V) x layers x KV heads x head size x n_ctx x bytes per element."""
+    n_layer = int(header.arch_value("block_count", 0))
+    n_head = int(header.arch_value("attention.head_count", 1)) or 1
+    n_head_kv = int(header.arch_value("attention.head_count_kv", n_head))
+    n_embd = int(header.arch_value("embedding_length", 0))
+    k_size = int(header.arch_value("attention.key_length", n_embd // n_head))
+    v_size = int(header.arch_value("attention.value_length", n_embd // n_head))
+    return n_layer * n_head_kv * (k_size + v_size) * n_ctx * _KV_ELEMENT_BYTES
