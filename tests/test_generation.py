@@ -1,0 +1,170 @@
+"""The generator loop over the fake backend: finish reasons, stats, reuse, cancel, errors."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from edgeinfer import EdgeInferError, InvalidRequestError
+from edgeinfer.model import Model
+
+from .fakes import EOS, FakeBackend
+
+
+def make(**kwargs: object) -> tuple[Model, FakeBackend]:
+    backend = FakeBackend(**kwargs)  # type: ignore[arg-type]
+    return Model(backend, name="fake", path=Path("fake"), model_format="fake"), backend
+
+
+def test_stream_joins_to_generate(fake_model: Model) -> None:
+    for seed in (None, 7):
+        kwargs = {"max_new_tokens": 40, "temperature": 0 if seed is None else 1.0, "seed": seed}
+        result = fake_model.generate("hello", **kwargs)
+        chunks = list(fake_model.stream("hello", **kwargs))
+        assert "".join(c.text for c in chunks) == result.text
+        assert tuple(t for c in chunks for t in c.token_ids) == result.token_ids
+        assert chunks[-1].finish_reason == result.finish_reason == "length"
+        assert all(c.finish_reason is None for c in chunks[:-1])
+
+
+def test_stats_are_filled(fake_model: Model) -> None:
+    stats = fake_model.generate("hello", max_new_tokens=10, temperature=0).stats
+    assert stats.prompt_tokens == 5 and stats.completion_tokens == 10
+    assert stats.ttft_s > 0 and stats.prefill_tokens_per_s > 0 and stats.decode_tokens_per_s > 0
+    assert stats.total_s >= stats.ttft_s
+
+
+def test_eos_ends_with_stop_and_is_not_in_the_output() -> None:
+    model, _ = make(eos_boost=1000.0)
+    result = model.generate("hi", max_new_tokens=10, temperature=0)
+    assert result.finish_reason == "stop"
+    assert result.token_ids == () and result.text == ""
+    assert EOS not in result.token_ids
+
+
+def test_stop_string_ends_generation_and_is_not_emitted(fake_model: Model) -> None:
+    full = fake_model.generate("hello", max_new_tokens=60, temperature=0).text
+    stop = full[10:13]
+    result = fake_model.generate("hello", max_new_tokens=60, temperature=0, stop=[stop])
+    assert result.finish_reason == "stop"
+    assert result.text == full[: full.index(stop)]
+
+
+def test_context_full_ends_with_length() -> None:
+    model, backend = make(n_ctx=32)
+    result = model.generate("x" * 20, max_new_tokens=100, temperature=0)
+    assert result.finish_reason == "length"
+    assert result.stats.prompt_tokens + result.stats.completion_tokens == 32
+    assert backend.n_past <= 32
+
+
+def test_prompt_longer_than_context_is_rejected() -> None:
+    model, _ = make(n_ctx=32)
+    with pytest.raises(InvalidRequestError, match="context"):
+        model.generate("x" * 40)
+    with pytest.raises(InvalidRequestError, match="context"):
+        model.generate("x" * 32)  # no room left for a new token
+
+
+def test_bad_requests_raise_typed_errors(fake_model: Model) -> None:
+    with pytest.raises(InvalidRequestError):
+        fake_model.generate("")
+    with pytest.raises(InvalidRequestError):
+        fake_model.generate([99999])
+    with pytest.raises(InvalidRequestError):
+        fake_model.generate(b"bytes")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        fake_model.generate("hi", top_p=2)
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        fake_model.generate("hi", logit_bias={10**6: 1.0})
+
+
+def test_prompt_prefix_is_reused_and_output_matches_a_fresh_model() -> None:
+    model, backend = make()
+    first = model.generate("The quick brown fox", max_new_tokens=8, temperature=0)
+    second = model.generate("The quick brown cat", max_new_tokens=8, temperature=0)
+    assert first.stats.reused_prompt_tokens == 0
+    assert second.stats.reused_prompt_tokens == len("The quick brown ")
+    assert backend.prefilled[-1] == len("cat")
+    fresh, _ = make()
+    expected = fresh.generate("The quick brown cat", max_new_tokens=8, temperature=0)
+    assert second.token_ids == expected.token_ids
+
+
+def test_same_prompt_twice_prefills_one_token() -> None:
+    model, backend = make()
+    a = model.generate("again", max_new_tokens=5, temperature=0)
+    b = model.generate("again", max_new_tokens=5, temperature=0)
+    assert a.token_ids == b.token_ids
+    assert b.stats.reused_prompt_tokens == 4 and backend.prefilled[-1] == 1
+
+
+def test_breaking_out_of_a_stream_leaves_the_model_usable() -> None:
+    model, _ = make()
+    for i, _chunk in enumerate(model.stream("hello", max_new_tokens=50, temperature=0)):
+        if i == 3:
+            break
+    after = model.generate("world", max_new_tokens=20, temperature=0)
+    fresh, _ = make()
+    assert after.token_ids == fresh.generate("world", max_new_tokens=20, temperature=0).token_ids
+
+
+def test_cancel_from_another_thread_ends_with_cancelled() -> None:
+    model, _ = make()
+    stream = model.stream("hello", max_new_tokens=200, temperature=0)
+    first = next(stream)
+    threading.Thread(target=stream.cancel).start()
+    chunks = [first, *stream]
+    assert chunks[-1].finish_reason == "cancelled"
+    assert stream.result is not None and stream.result.finish_reason == "cancelled"
+    assert stream.result.stats.completion_tokens < 200
+
+
+def test_interrupt_in_the_consumer_leaves_the_model_usable() -> None:
+    model, _ = make()
+    with pytest.raises(KeyboardInterrupt):
+        for i, _chunk in enumerate(model.stream("hello", max_new_tokens=50, temperature=0)):
+            if i == 2:
+                raise KeyboardInterrupt
+    fresh, _ = make()
+    expected = fresh.generate("hello", max_new_tokens=20, temperature=0).token_ids
+    assert model.generate("hello", max_new_tokens=20, temperature=0).token_ids == expected
+
+
+def test_chat_uses_the_template(fake_model: Model) -> None:
+    text = fake_model.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<user>hi\n<assistant>"
+    result = fake_model.chat([{"role": "user", "content": "hi"}], max_new_tokens=5,
+                             temperature=0)
+    assert result.stats.prompt_tokens == len(text.encode())
+    stream = fake_model.chat([{"role": "user", "content": "hi"}], stream=True,
+                             max_new_tokens=5, temperature=0)
+    assert "".join(c.text for c in stream) == result.text
+
+
+def test_closed_model_refuses_requests() -> None:
+    model, backend = make()
+    model.close()
+    model.close()  # idempotent
+    assert backend.closed
+    with pytest.raises(EdgeInferError, match="closed"):
+        model.generate("hi")
+
+
+def test_threads_sharing_a_model_are_served_one_at_a_time() -> None:
+    model, _ = make()
+    expected = {p: model.generate(p, max_new_tokens=15, temperature=0).token_ids
+                for p in ("alpha", "beta", "gamma", "delta")}
+    results: dict[str, tuple[int, ...]] = {}
+
+    def worker(prompt: str) -> None:
+        results[prompt] = model.generate(prompt, max_new_tokens=15, temperature=0).token_ids
+
+    threads = [threading.Thread(target=worker, args=(p,)) for p in expected for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == expected
