@@ -22,6 +22,9 @@ class LoadConfig:
     device: str = "auto"
     context_length: int | None = None
     threads: int | None = None
+    # Flash attention in llama.cpp: faster on CPU here (decode ~+15%), but its sums differ in
+    # the last bits, so greedy output can differ from llama.cpp's default (off) at near-ties.
+    flash_attention: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not self.device:
@@ -33,6 +36,10 @@ class LoadConfig:
             raise InvalidRequestError(
                 f"context_length={ctx!r} is invalid: expected None or an integer >= "
                 f"{_MIN_CONTEXT_LENGTH}"
+            )
+        if not isinstance(self.flash_attention, bool):
+            raise InvalidRequestError(
+                f"flash_attention={self.flash_attention!r} is invalid: expected True or False"
             )
         threads = self.threads
         if threads is not None and (

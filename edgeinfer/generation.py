@@ -24,6 +24,8 @@ __all__ = ["Chunk", "FinishReason", "GenerationResult", "GenerationStats", "Toke
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
+_MIN_PREFILL = 2  # prompt tokens always prefilled, even when all are in the cache
+
 
 @dataclass(frozen=True)
 class GenerationStats:
@@ -63,9 +65,12 @@ class KVHistory:
     def reuse(self, backend: Backend, prompt: Sequence[int]) -> int:
         """Rewind ``backend`` to the longest common prefix with ``prompt``; return its length.
 
-        At least one prompt token is always left to prefill, since prefill yields the logits.
+        At least two prompt tokens (or the whole prompt) are always prefilled again: prefill
+        yields the logits, and engines compute a one-token batch by another kernel than a
+        longer one (llama.cpp without flash attention differs in the logits by up to ~0.9),
+        so a repeated prompt would otherwise not give what it gave the first time.
         """
-        limit = min(len(self.tokens), len(prompt) - 1, backend.n_past)
+        limit = min(len(self.tokens), len(prompt) - _MIN_PREFILL, backend.n_past)
         n = 0
         while n < limit and self.tokens[n] == prompt[n]:
             n += 1

@@ -40,14 +40,21 @@ def load(
     device: str = "auto",
     context_length: int | None = None,
     threads: int | None = None,
+    flash_attention: bool = False,
 ) -> Model:
     """Open a model for generation.
 
     ``model`` is a catalog name (fetched into $EDGEINFER_HOME the first time), a ``.gguf``
     file, or a folder holding one model. ``context_length=None`` uses the model's trained
-    context, capped at 8192 tokens.
+    context, capped at 8192 tokens. ``flash_attention=True`` trades bit-exact agreement with
+    llama.cpp's defaults for speed on GGUF models.
     """
-    config = LoadConfig(device=device, context_length=context_length, threads=threads)
+    config = LoadConfig(
+        device=device,
+        context_length=context_length,
+        threads=threads,
+        flash_attention=flash_attention,
+    )
     source = resolve(model)
     from .runtimes import open_backend
 
@@ -107,7 +114,7 @@ def _inspect_file(path: Path, *, name: str) -> ModelSource:
             magic = fh.read(4)
     except OSError as exc:
         raise ModelLoadError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    if magic == GGUF_MAGIC:
+    if magic == GGUF_MAGIC or path.suffix.lower() == ".gguf":
         return ModelSource(name, path, "gguf", read_gguf_header(path))
     if path.suffix == ".onnx":
         return ModelSource(name, path.parent, "onnx", None)

@@ -153,6 +153,7 @@ class LlamaCppBackend:
         try:
             self._n_ctx = _context_length(config, int(llama.llama_model_n_ctx_train(self._model)))
             self._threads = config.resolved_threads
+            self._flash_attention = config.flash_attention
             self._n_batch = min(self._n_ctx, _MAX_BATCH)
             self._ctx = self._new_context()
             self._batch = llama.llama_batch_init(self._n_batch, 0, 1)
@@ -173,6 +174,7 @@ class LlamaCppBackend:
             "n_gpu_layers": n_gpu_layers,
             "threads": self._threads,
             "batch_size": self._n_batch,
+            "flash_attention": self._flash_attention,
         }
         logger.debug("llama.cpp context ready: n_ctx=%d threads=%d", self._n_ctx, self._threads)
 
@@ -196,6 +198,11 @@ class LlamaCppBackend:
         params.n_threads = self._threads
         params.n_threads_batch = self._threads
         params.no_perf = True
+        params.flash_attn_type = (
+            self._llama.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if self._flash_attention
+            else self._llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
         ctx = self._llama.llama_init_from_model(self._model, params)
         if not ctx:
             raise BackendUnavailableError(

@@ -93,12 +93,12 @@ def test_prompt_prefix_is_reused_and_output_matches_a_fresh_model() -> None:
     assert second.token_ids == expected.token_ids
 
 
-def test_same_prompt_twice_prefills_one_token() -> None:
+def test_same_prompt_twice_prefills_its_last_two_tokens() -> None:
     model, backend = make()
     a = model.generate("again", max_new_tokens=5, temperature=0)
     b = model.generate("again", max_new_tokens=5, temperature=0)
     assert a.token_ids == b.token_ids
-    assert b.stats.reused_prompt_tokens == 4 and backend.prefilled[-1] == 1
+    assert b.stats.reused_prompt_tokens == 3 and backend.prefilled[-1] == 2
 
 
 def test_breaking_out_of_a_stream_leaves_the_model_usable() -> None:
