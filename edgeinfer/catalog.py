@@ -193,4 +193,3 @@ def _atomic_file(target: Path) -> Iterator[BinaryIO]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-

@@ -23,23 +23,33 @@ EXIT_INTERRUPTED = 130
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | metal (default: auto)")
-    g.add_argument("--context-length", type=int, metavar="N",
-                   help="tokens the KV cache holds (default: the model's, at most 8192)")
+    g.add_argument(
+        "--context-length",
+        type=int,
+        metavar="N",
+        help="tokens the KV cache holds (default: the model's, at most 8192)",
+    )
     g.add_argument("--threads", type=int, metavar="N", help="compute threads (default: cores)")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("-n", "--max-new-tokens", type=int, metavar="N",
-                   help="most tokens to generate (default: 256)")
+    g.add_argument(
+        "-n",
+        "--max-new-tokens",
+        type=int,
+        metavar="N",
+        help="most tokens to generate (default: 256)",
+    )
     g.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default: 0.8)")
     g.add_argument("--top-k", type=int, metavar="K", help="0 = off (default: 40)")
     g.add_argument("--top-p", type=float, metavar="P", help="1 = off (default: 0.95)")
     g.add_argument("--min-p", type=float, metavar="P", help="0 = off (default: 0)")
     g.add_argument("--repetition-penalty", type=float, metavar="R", help="1 = off (default: 1)")
     g.add_argument("--seed", type=int, metavar="S", help="same seed, same output")
-    g.add_argument("--stop", action="append", metavar="TEXT",
-                   help="stop before this text (repeatable)")
+    g.add_argument(
+        "--stop", action="append", metavar="TEXT", help="stop before this text (repeatable)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,23 +63,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log what edgeinfer does")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    run = sub.add_parser("run", help="complete one prompt; the text alone goes to stdout",
-                         description="Complete PROMPT and stream the text to stdout.")
+    run = sub.add_parser(
+        "run",
+        help="complete one prompt; the text alone goes to stdout",
+        description="Complete PROMPT and stream the text to stdout.",
+    )
     run.add_argument("model", metavar="MODEL", help="catalog name, .gguf file or model folder")
     run.add_argument("-p", "--prompt", required=True, help="the prompt ('-' reads stdin)")
-    run.add_argument("--chat", action="store_true",
-                     help="send PROMPT as a user message through the model's chat template")
+    run.add_argument(
+        "--chat",
+        action="store_true",
+        help="send PROMPT as a user message through the model's chat template",
+    )
     run.add_argument("--stats", action="store_true", help="print timing figures on stderr")
     run.add_argument("--json", action="store_true", help="print one JSON object instead")
     _add_sampling_flags(run)
     _add_model_flags(run)
 
-    chat = sub.add_parser("chat", help="talk with a model in the terminal",
-                          description="Interactive chat. /reset, /stats, /exit; Ctrl-C stops "
-                                      "a reply, Ctrl-D quits.")
-    chat.add_argument("model", metavar="MODEL", nargs="?", default=catalog.DEFAULT_MODEL,
-                      help=f"catalog name, .gguf file or model folder "
-                           f"(default: {catalog.DEFAULT_MODEL})")
+    chat = sub.add_parser(
+        "chat",
+        help="talk with a model in the terminal",
+        description="Interactive chat. /reset, /stats, /exit; Ctrl-C stops a reply, Ctrl-D quits.",
+    )
+    chat.add_argument(
+        "model",
+        metavar="MODEL",
+        nargs="?",
+        default=catalog.DEFAULT_MODEL,
+        help=f"catalog name, .gguf file or model folder (default: {catalog.DEFAULT_MODEL})",
+    )
     chat.add_argument("--system", metavar="TEXT", help="system message for the conversation")
     _add_sampling_flags(chat)
     _add_model_flags(chat)
@@ -86,16 +108,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p",
-             "repetition_penalty", "seed", "stop")
+    names = (
+        "max_new_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "seed",
+        "stop",
+    )
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
 def load_model(args: argparse.Namespace) -> Any:
     from .loader import load
 
-    return load(args.model, device=args.device, context_length=args.context_length,
-                threads=args.threads)
+    return load(
+        args.model, device=args.device, context_length=args.context_length, threads=args.threads
+    )
 
 
 def format_stats(stats: Any, finish_reason: str) -> str:
@@ -123,10 +154,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         result = stream.result
         assert result is not None
         if args.json:
-            json.dump({"model": args.model, "text": result.text,
-                       "token_ids": list(result.token_ids),
-                       "finish_reason": result.finish_reason,
-                       "stats": asdict(result.stats)}, sys.stdout, ensure_ascii=False)
+            json.dump(
+                {
+                    "model": args.model,
+                    "text": result.text,
+                    "token_ids": list(result.token_ids),
+                    "finish_reason": result.finish_reason,
+                    "stats": asdict(result.stats),
+                },
+                sys.stdout,
+                ensure_ascii=False,
+            )
             sys.stdout.write("\n")
         elif sys.stdout.isatty():
             sys.stdout.write("\n")
@@ -140,8 +178,9 @@ def cmd_models(args: argparse.Namespace) -> int:
         for entry in catalog.CATALOG.values():
             present = "present" if catalog.is_present(entry) else "not fetched"
             size = f"{entry.size / 1e6:.0f} MB" if entry.size else ""
-            print(f"{entry.name:<28} {entry.format:<5} {size:>7}  {present:<11}  "
-                  f"{entry.description}")
+            print(
+                f"{entry.name:<28} {entry.format:<5} {size:>7}  {present:<11}  {entry.description}"
+            )
         return 0
     entry = catalog.lookup(args.name)
     if entry is None:

@@ -170,8 +170,10 @@ def run(
         context.append(token)
         unsent.append(token)
         text = detok.push(token)
-        if detok.stopped or len(generated) >= config.max_new_tokens or (
-            len(prompt) + len(generated) >= backend.n_ctx
+        if (
+            detok.stopped
+            or len(generated) >= config.max_new_tokens
+            or (len(prompt) + len(generated) >= backend.n_ctx)
         ):
             finish = "stop" if detok.stopped else "length"
             tail = text

@@ -136,11 +136,11 @@ def test_interrupt_in_the_consumer_leaves_the_model_usable() -> None:
 def test_chat_uses_the_template(fake_model: Model) -> None:
     text = fake_model.apply_chat_template([{"role": "user", "content": "hi"}])
     assert text == "<user>hi\n<assistant>"
-    result = fake_model.chat([{"role": "user", "content": "hi"}], max_new_tokens=5,
-                             temperature=0)
+    result = fake_model.chat([{"role": "user", "content": "hi"}], max_new_tokens=5, temperature=0)
     assert result.stats.prompt_tokens == len(text.encode())
-    stream = fake_model.chat([{"role": "user", "content": "hi"}], stream=True,
-                             max_new_tokens=5, temperature=0)
+    stream = fake_model.chat(
+        [{"role": "user", "content": "hi"}], stream=True, max_new_tokens=5, temperature=0
+    )
     assert "".join(c.text for c in stream) == result.text
 
 
@@ -155,8 +155,10 @@ def test_closed_model_refuses_requests() -> None:
 
 def test_threads_sharing_a_model_are_served_one_at_a_time() -> None:
     model, _ = make()
-    expected = {p: model.generate(p, max_new_tokens=15, temperature=0).token_ids
-                for p in ("alpha", "beta", "gamma", "delta")}
+    expected = {
+        p: model.generate(p, max_new_tokens=15, temperature=0).token_ids
+        for p in ("alpha", "beta", "gamma", "delta")
+    }
     results: dict[str, tuple[int, ...]] = {}
 
     def worker(prompt: str) -> None:

@@ -29,12 +29,15 @@ def test_truncated_file_is_refused(tmp_path: Path, keep: float) -> None:
         read_gguf_header(path)
 
 
-@pytest.mark.parametrize("content, match", [
-    (b"hello, I am a text file\n" * 10, "not a GGUF file"),
-    (b"GGUF" + (99).to_bytes(4, "little") + b"\0" * 40, "version 99"),
-    (b"GGUF", "too small"),
-    (b"GGUF\x03\0\0\0" + b"\xff" * 16 + b"\0" * 8, "corrupt"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"hello, I am a text file\n" * 10, "not a GGUF file"),
+        (b"GGUF" + (99).to_bytes(4, "little") + b"\0" * 40, "version 99"),
+        (b"GGUF", "too small"),
+        (b"GGUF\x03\0\0\0" + b"\xff" * 16 + b"\0" * 8, "corrupt"),
+    ],
+)
 def test_not_a_gguf_is_refused(tmp_path: Path, content: bytes, match: str) -> None:
     path = tmp_path / "bad.gguf"
     path.write_bytes(content)

@@ -84,8 +84,9 @@ def test_stream_joins_to_generate_on_multibyte_answers(
 
 def test_stop_strings_on_real_output(default_model: Model) -> None:
     full = default_model.generate("Fruit emoji: 🍎 🍌 🍇", max_new_tokens=12, temperature=0)
-    cut = default_model.generate("Fruit emoji: 🍎 🍌 🍇", max_new_tokens=12, temperature=0,
-                                 stop=["🍵🍵"])
+    cut = default_model.generate(
+        "Fruit emoji: 🍎 🍌 🍇", max_new_tokens=12, temperature=0, stop=["🍵🍵"]
+    )
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[: full.text.index("🍵🍵")]
 
@@ -94,8 +95,11 @@ def test_seed_reproduces_across_loads(default_gguf: Path) -> None:
     outputs = []
     for _ in range(2):
         with edgeinfer.load(default_gguf, context_length=256) as model:
-            outputs.append(model.generate("Tell me a story:", max_new_tokens=24,
-                                          temperature=0.9, seed=42).token_ids)
+            outputs.append(
+                model.generate(
+                    "Tell me a story:", max_new_tokens=24, temperature=0.9, seed=42
+                ).token_ids
+            )
     assert outputs[0] == outputs[1]
 
 
@@ -103,8 +107,10 @@ def test_prefix_reuse_gives_the_same_tokens_as_a_fresh_model(default_gguf: Path)
     messages = [{"role": "user", "content": "Name a fruit."}]
     with edgeinfer.load(default_gguf, context_length=512) as model:
         first = model.chat(messages, max_new_tokens=16, temperature=0)
-        messages += [{"role": "assistant", "content": first.text},
-                     {"role": "user", "content": "And a vegetable?"}]
+        messages += [
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "And a vegetable?"},
+        ]
         second = model.chat(messages, max_new_tokens=16, temperature=0)
     assert second.stats.reused_prompt_tokens > 30
     with edgeinfer.load(default_gguf, context_length=512) as fresh:
@@ -133,8 +139,7 @@ def test_context_length_limits(default_gguf: Path) -> None:
     with pytest.raises(edgeinfer.InvalidRequestError, match="trained context"):
         edgeinfer.load(default_gguf, context_length=100_000)
     with edgeinfer.load(default_gguf, context_length=32) as model:
-        result = model.generate("1, 2, 3, 4, 5,", max_new_tokens=100,
-                                temperature=0)
+        result = model.generate("1, 2, 3, 4, 5,", max_new_tokens=100, temperature=0)
         assert result.finish_reason == "length"
         assert result.stats.prompt_tokens + result.stats.completion_tokens == 32
         with pytest.raises(edgeinfer.InvalidRequestError, match="context"):

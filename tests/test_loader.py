@@ -74,7 +74,7 @@ def test_gguf_truncated_to_half_its_size(default_gguf: Path, tmp_path: Path) -> 
 def test_engine_rejection_is_a_model_load_error(default_gguf: Path, tmp_path: Path) -> None:
     """A well-formed GGUF whose tensors llama.cpp cannot use: mapped, no crash."""
     path = write_gguf(tmp_path / "tiny.gguf")
-    with pytest.raises(ModelLoadError, match="llama.cpp could not load"):
+    with pytest.raises(ModelLoadError, match=r"llama\.cpp could not load"):
         edgeinfer.load(path)
 
 

@@ -9,10 +9,23 @@ import sys
 import edgeinfer
 
 EXPECTED_ALL = {
-    "BackendUnavailableError", "ChatTemplateError", "Chunk", "ConversionError",
-    "EdgeInferError", "GenerationResult", "GenerationStats", "InvalidRequestError",
-    "LoadConfig", "MemoryBudgetError", "Model", "ModelFetchError", "ModelLoadError",
-    "SamplingConfig", "TokenStream", "__version__", "load",
+    "BackendUnavailableError",
+    "ChatTemplateError",
+    "Chunk",
+    "ConversionError",
+    "EdgeInferError",
+    "GenerationResult",
+    "GenerationStats",
+    "InvalidRequestError",
+    "LoadConfig",
+    "MemoryBudgetError",
+    "Model",
+    "ModelFetchError",
+    "ModelLoadError",
+    "SamplingConfig",
+    "TokenStream",
+    "__version__",
+    "load",
 }
 
 
@@ -23,9 +36,15 @@ def test_public_names_are_pinned() -> None:
 
 
 def test_every_error_derives_from_edgeinfer_error() -> None:
-    for name in ("ModelLoadError", "ModelFetchError", "BackendUnavailableError",
-                 "MemoryBudgetError", "ConversionError", "InvalidRequestError",
-                 "ChatTemplateError"):
+    for name in (
+        "ModelLoadError",
+        "ModelFetchError",
+        "BackendUnavailableError",
+        "MemoryBudgetError",
+        "ConversionError",
+        "InvalidRequestError",
+        "ChatTemplateError",
+    ):
         assert issubclass(getattr(edgeinfer, name), edgeinfer.EdgeInferError), name
     assert issubclass(edgeinfer.ModelFetchError, edgeinfer.ModelLoadError)
     assert issubclass(edgeinfer.ChatTemplateError, edgeinfer.InvalidRequestError)

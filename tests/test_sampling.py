@@ -13,13 +13,29 @@ LOGITS = RNG.normal(0, 2, size=1000).astype(np.float32)
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("max_new_tokens", 0), ("max_new_tokens", 1.5), ("max_new_tokens", True),
-        ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")),
-        ("temperature", "hot"), ("top_k", -1), ("top_k", 2.0), ("top_p", 0.0),
-        ("top_p", 1.5), ("min_p", 1.0), ("min_p", -0.1), ("repetition_penalty", 0),
-        ("repetition_penalty", float("nan")), ("repetition_window", -1), ("seed", -1),
-        ("seed", "abc"), ("stop", [""]), ("stop", [1]), ("logit_bias", {-1: 1.0}),
-        ("logit_bias", {1: float("nan")}), ("logit_bias", {"a": 1.0}),
+        ("max_new_tokens", 0),
+        ("max_new_tokens", 1.5),
+        ("max_new_tokens", True),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("temperature", "hot"),
+        ("top_k", -1),
+        ("top_k", 2.0),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("min_p", 1.0),
+        ("min_p", -0.1),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", float("nan")),
+        ("repetition_window", -1),
+        ("seed", -1),
+        ("seed", "abc"),
+        ("stop", [""]),
+        ("stop", [1]),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {1: float("nan")}),
+        ("logit_bias", {"a": 1.0}),
     ],
 )
 def test_bad_values_are_rejected_naming_the_field(field: str, value: object) -> None:
@@ -46,12 +62,15 @@ def test_greedy_is_argmax_and_leaves_logits_untouched() -> None:
     assert np.array_equal(logits, LOGITS)
 
 
-@pytest.mark.parametrize("config", [
-    SamplingConfig(temperature=1.0, top_k=1, top_p=1.0),
-    SamplingConfig(temperature=1.0, top_k=None, top_p=1e-6),
-    SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, min_p=0.999),
-    SamplingConfig(temperature=1e-4, top_k=None, top_p=1.0),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        SamplingConfig(temperature=1.0, top_k=1, top_p=1.0),
+        SamplingConfig(temperature=1.0, top_k=None, top_p=1e-6),
+        SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, min_p=0.999),
+        SamplingConfig(temperature=1e-4, top_k=None, top_p=1.0),
+    ],
+)
 def test_filters_that_keep_one_token_are_greedy(config: SamplingConfig) -> None:
     sampler = Sampler(config, 1000)
     assert {sampler(LOGITS) for _ in range(20)} == {int(np.argmax(LOGITS))}
@@ -94,7 +113,9 @@ def test_min_p_cuts_unlikely_tokens() -> None:
 def test_draw_frequencies_follow_the_distribution() -> None:
     probs = np.array([0.5, 0.25, 0.125, 0.125])
     sampler = Sampler(SamplingConfig(temperature=1.0, top_k=None, top_p=1.0, seed=3), 4)
-    counts = np.bincount([sampler(np.log(probs).astype(np.float32)) for _ in range(8000)], minlength=4)
+    counts = np.bincount(
+        [sampler(np.log(probs).astype(np.float32)) for _ in range(8000)], minlength=4
+    )
     assert np.allclose(counts / 8000, probs, atol=0.02)
 
 
