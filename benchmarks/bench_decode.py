@@ -1,10 +1,10 @@
 """edgeinfer vs llama-cpp-python's create_completion(stream=True) on the same GGUF file.
 
-Protocol (benchmarks/../shared BENCHMARKS.md): fixed prompt token ids (128 and 512), 128
+Protocol (BENCHMARKS.md): fixed prompt token ids (128 and 512), 128
 greedy new tokens, context 1024, the same thread count for both, one subprocess per run,
 engines interleaved, 1 warm-up and N measured runs each; medians and min-max.
 
-    python benchmarks/bench_decode.py [--runs 5] [--threads 2] [--out benchmarks/results/decode.json]
+    python benchmarks/bench_decode.py [--runs 5] [--threads 2] [--out FILE.json]
 """
 
 from __future__ import annotations

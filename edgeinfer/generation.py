@@ -129,6 +129,19 @@ class TokenStream:
         return self.result
 
 
+def check_request(backend: Backend, prompt: Sequence[int], config: SamplingConfig) -> Sampler:
+    """Refuse a request that cannot run (before any work); return its sampler."""
+    if not prompt:
+        raise InvalidRequestError("the prompt is empty")
+    if len(prompt) >= backend.n_ctx:
+        raise InvalidRequestError(
+            f"the prompt has {len(prompt)} tokens but the context holds {backend.n_ctx} "
+            "(with room for at least one new token); shorten the prompt or load the model "
+            "with a larger context_length"
+        )
+    return Sampler(config, backend.tokenizer.n_vocab)
+
+
 def run(
     backend: Backend,
     history: KVHistory,
@@ -138,15 +151,7 @@ def run(
 ) -> Iterator[Chunk]:
     """The generation loop (a generator of Chunks); the caller holds the model's lock."""
     tokenizer = backend.tokenizer
-    if not prompt:
-        raise InvalidRequestError("the prompt is empty")
-    if len(prompt) >= backend.n_ctx:
-        raise InvalidRequestError(
-            f"the prompt has {len(prompt)} tokens but the context holds {backend.n_ctx} "
-            "(with room for at least one new token); shorten the prompt or load the model "
-            "with a larger context_length"
-        )
-    sampler = Sampler(config, tokenizer.n_vocab)
+    sampler = check_request(backend, prompt, config)
     detok = IncrementalDetokenizer(tokenizer.token_bytes, config.stop)
     t_start = time.perf_counter()
     reused = history.reuse(backend, prompt)

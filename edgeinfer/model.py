@@ -52,6 +52,7 @@ class Model:
         """Generate a completion of ``prompt`` as a stream of Chunks of complete text."""
         cfg = SamplingConfig.from_kwargs(config, **sampling)
         ids = self._prompt_ids(prompt)
+        generation.check_request(self._backend, ids, cfg)  # raise here, not at first next()
         cancel = threading.Event()
         return TokenStream(self._locked(ids, cfg, cancel), cancel)
 

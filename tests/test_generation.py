@@ -170,3 +170,11 @@ def test_threads_sharing_a_model_are_served_one_at_a_time() -> None:
     for t in threads:
         t.join()
     assert results == expected
+
+
+def test_stream_refuses_a_bad_request_before_iteration() -> None:
+    model, _ = make(n_ctx=32)
+    with pytest.raises(InvalidRequestError, match="context"):
+        model.stream("x" * 40)
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        model.stream("hi", logit_bias={10**6: 1.0})
