@@ -189,6 +189,7 @@ def _atomic_file(target: Path) -> Iterator[BinaryIO]:
             yield out
             out.flush()
             os.fsync(out.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a model file is plain data
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
