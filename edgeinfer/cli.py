@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_flags(chat)
     _add_model_flags(chat)
 
+    _add_convert_parser(sub)
+
     models = sub.add_parser("models", help="list, fetch or locate catalog models")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
     msub.add_parser("list", help="catalog entries and which are present")
@@ -105,6 +107,33 @@ def build_parser() -> argparse.ArgumentParser:
     path = msub.add_parser("path", help="print the local path of a catalog model")
     path.add_argument("name", metavar="NAME")
     return parser
+
+
+def _add_convert_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="export and quantize a model to ONNX, validated against its source",
+        description="Convert SRC (a .gguf file or a Hugging Face folder with safetensors) into "
+        "the model folder OUT. The result is compared with the source on fixed prompts; below "
+        "the thresholds the conversion fails and OUT is not written.",
+    )
+    p.add_argument("src", metavar="SRC", help=".gguf file or Hugging Face model folder")
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="output model folder")
+    p.add_argument("--to", default="onnx", choices=["onnx"], help="target format")
+    p.add_argument("--quant", default="int8", choices=["fp32", "fp16", "int8", "int4"],
+                   help="weights: fp32, fp16 (GPU), int8 (dynamic), int4 (MatMulNBits)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="accept .bin/.pt pickle weights (they can run code: trusted files only)")
+    p.add_argument("--int4-block-size", type=int, default=32, metavar="N")
+    p.add_argument("--int4-symmetric", action="store_true", help="symmetric int4 blocks")
+    p.add_argument("--int4-accuracy-level", type=int, metavar="L",
+                   help="ORT MatMulNBits compute: 1 fp32, 2 fp16, 3 bf16, 4 int8")
+    p.add_argument("--min-top1", type=float, default=0.90, metavar="X",
+                   help="least top-1 agreement with the source (default: 0.90)")
+    p.add_argument("--min-greedy", type=float, default=0.60, metavar="X",
+                   help="least greedy-continuation agreement (default: 0.60)")
+    p.add_argument("--threads", type=int, metavar="N", help="threads for export and checks")
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -197,6 +226,21 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .converters import ConvertConfig, convert_with
+
+    cfg = ConvertConfig(
+        src=args.src, out=args.output, to=args.to, quant=args.quant, overwrite=args.overwrite,
+        allow_pickle=args.allow_pickle, int4_block_size=args.int4_block_size,
+        int4_symmetric=args.int4_symmetric, int4_accuracy_level=args.int4_accuracy_level,
+        min_top1_agreement=args.min_top1, min_greedy_agreement=args.min_greedy,
+        threads=args.threads,
+    )
+    result = convert_with(cfg, on_stage=lambda line: print(line, file=sys.stderr, flush=True))
+    print(result.path)
+    return 0
+
+
 def _configure_logging(args: argparse.Namespace) -> None:
     level = logging.DEBUG if args.debug else logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="edgeinfer: %(message)s", stream=sys.stderr)
@@ -209,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(args)
     from .chat_cli import cmd_chat
 
-    commands = {"run": cmd_run, "chat": cmd_chat, "models": cmd_models}
+    commands = {"run": cmd_run, "chat": cmd_chat, "models": cmd_models, "convert": cmd_convert}
     try:
         return commands[args.command](args)
     except EdgeInferError as exc:

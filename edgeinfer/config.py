@@ -55,3 +55,14 @@ class LoadConfig:
         if self.threads is not None:
             return self.threads
         return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+    def context_for(self, trained: int) -> int:
+        """The context to size the KV cache for, given the model's trained context."""
+        if self.context_length is None:
+            return min(trained, DEFAULT_CONTEXT_LENGTH) if trained > 0 else DEFAULT_CONTEXT_LENGTH
+        if trained > 0 and self.context_length > trained:
+            raise InvalidRequestError(
+                f"context_length={self.context_length} exceeds the model's trained context "
+                f"({trained} tokens); use at most {trained}"
+            )
+        return self.context_length

@@ -17,6 +17,7 @@ from . import catalog
 from .config import LoadConfig
 from .errors import ModelLoadError
 from .gguf_file import GGUF_MAGIC, read_gguf_header
+from .manifest import MANIFEST_NAME, PARTIAL_MARKER, Manifest
 from .model import Model
 
 __all__ = ["ModelSource", "load", "resolve"]
@@ -31,7 +32,7 @@ class ModelSource:
     name: str
     path: Path
     format: str  # "gguf" | "onnx"
-    header: Any  # GGUFHeader for "gguf"
+    header: Any  # GGUFHeader for "gguf", Manifest for "onnx"
 
 
 def load(
@@ -76,6 +77,8 @@ def resolve(model: str | PathLike[str]) -> ModelSource:
         raise ModelLoadError(
             f"{text}: no such file or folder, and not a catalog name (known: {known})"
         )
+    if path.is_dir() and ((path / MANIFEST_NAME).exists() or (path / PARTIAL_MARKER).exists()):
+        return ModelSource(path.name, path, "onnx", Manifest.read(path))
     if path.is_dir():
         path = _model_in_folder(path)
     return _inspect_file(path, name=path.name)
@@ -95,15 +98,18 @@ def _from_catalog(entry: catalog.CatalogEntry) -> ModelSource:
 
 
 def _model_in_folder(folder: Path) -> Path:
-    if (folder / "model.onnx").is_file():
-        return folder / "model.onnx"
     ggufs = sorted(folder.glob("*.gguf"))
     if len(ggufs) == 1:
         return ggufs[0]
     if len(ggufs) > 1:
         names = ", ".join(p.name for p in ggufs)
         raise ModelLoadError(f"{folder} holds several GGUF files ({names}); name one of them")
-    raise ModelLoadError(f"{folder} holds no model (no .gguf file and no model.onnx)")
+    if any(folder.glob("*.onnx")):
+        raise ModelLoadError(
+            f"{folder} holds an ONNX file but no {MANIFEST_NAME}; convert the model with "
+            "'edgeinfer convert SRC -o OUT --to onnx' so edgeinfer knows its architecture"
+        )
+    raise ModelLoadError(f"{folder} holds no model (no .gguf file and no {MANIFEST_NAME})")
 
 
 def _inspect_file(path: Path, *, name: str) -> ModelSource:
@@ -117,7 +123,7 @@ def _inspect_file(path: Path, *, name: str) -> ModelSource:
     if magic == GGUF_MAGIC or path.suffix.lower() == ".gguf":
         return ModelSource(name, path, "gguf", read_gguf_header(path))
     if path.suffix == ".onnx":
-        return ModelSource(name, path.parent, "onnx", None)
+        return resolve(path.parent)
     raise ModelLoadError(
         f"{path} is not a model edgeinfer can run: expected a GGUF file (starts with b'GGUF') "
         f"or an ONNX model folder, found a file starting with {magic!r}"

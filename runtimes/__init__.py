@@ -21,6 +21,7 @@ __all__ = ["BACKENDS", "open_backend"]
 
 BACKENDS: dict[str, str] = {
     "gguf": "edgeinfer.runtimes.llama_cpp:open_backend",
+    "onnx": "edgeinfer.runtimes.onnxruntime:open_backend",
 }
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from edgeinfer.config import DEFAULT_CONTEXT_LENGTH, LoadConfig
+from edgeinfer.config import LoadConfig
 from edgeinfer.errors import (
     BackendUnavailableError,
     EdgeInferError,
@@ -151,7 +151,7 @@ class LlamaCppBackend:
         n_gpu_layers = _gpu_layers(llama, config.device)
         self._model = self._load_model(path, n_gpu_layers)
         try:
-            self._n_ctx = _context_length(config, int(llama.llama_model_n_ctx_train(self._model)))
+            self._n_ctx = config.context_for(int(llama.llama_model_n_ctx_train(self._model)))
             self._threads = config.resolved_threads
             self._flash_attention = config.flash_attention
             self._n_batch = min(self._n_ctx, _MAX_BATCH)
@@ -330,17 +330,6 @@ def _gpu_layers(llama: Any, device: str) -> int:
         f"device={device!r} is not available for GGUF models; use 'auto', 'cpu' or a GPU "
         "('cuda', 'metal')"
     )
-
-
-def _context_length(config: LoadConfig, trained: int) -> int:
-    if config.context_length is None:
-        return min(trained, DEFAULT_CONTEXT_LENGTH) if trained > 0 else DEFAULT_CONTEXT_LENGTH
-    if trained > 0 and config.context_length > trained:
-        raise InvalidRequestError(
-            f"context_length={config.context_length} exceeds the model's trained context "
-            f"({trained} tokens); use at most {trained}"
-        )
-    return config.context_length
 
 
 def _kv_cache_bytes(header: GGUFHeader, n_ctx: int) -> int:

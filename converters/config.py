@@ -1,0 +1,56 @@
+"""ConvertConfig: one conversion's settings, validated before any work starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgeinfer.errors import ConversionError
+
+__all__ = ["ONNX_QUANTS", "ConvertConfig"]
+
+ONNX_QUANTS = ("fp32", "fp16", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    src: Path
+    out: Path
+    to: str = "onnx"
+    quant: str = "int8"
+    overwrite: bool = False
+    allow_pickle: bool = False  # load .bin/.pt weights (pickle can run code: trusted files only)
+    # int4 (MatMulNBits): blocks of 32 weights with a zero point each. Asymmetric blocks keep
+    # the answers of already-quantized sources (symmetric int4 of the Q4_1 default model
+    # changed its greedy answer to "The capital of France is").
+    int4_block_size: int = 32
+    int4_symmetric: bool = False
+    int4_accuracy_level: int | None = None  # ORT: 0/None unset, 1 fp32, 2 fp16, 3 bf16, 4 int8
+    # validation: the conversion fails when the result agrees less than this with the source
+    min_top1_agreement: float = 0.90
+    min_greedy_agreement: float = 0.60
+    validation_tokens: int = 16
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "src", Path(self.src).expanduser())
+        object.__setattr__(self, "out", Path(self.out).expanduser())
+        if self.to != "onnx":
+            raise ConversionError(f"--to {self.to!r} is not supported; use onnx")
+        if self.quant not in ONNX_QUANTS:
+            raise ConversionError(
+                f"--quant {self.quant!r} is not an ONNX quantization; use one of "
+                f"{', '.join(ONNX_QUANTS)}"
+            )
+        if self.int4_block_size not in (16, 32, 64, 128, 256):
+            raise ConversionError("int4 block size must be 16, 32, 64, 128 or 256")
+        if self.int4_accuracy_level not in (None, 0, 1, 2, 3, 4):
+            raise ConversionError("int4 accuracy level must be 0, 1, 2, 3 or 4")
+        for name in ("min_top1_agreement", "min_greedy_agreement"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ConversionError(f"{name}={value} must be between 0 and 1")
+        if not 1 <= self.validation_tokens <= 256:
+            raise ConversionError("validation_tokens must be between 1 and 256")
+        if self.src.resolve() == self.out.resolve():
+            raise ConversionError("the output must not be the source")

@@ -1,0 +1,187 @@
+"""Hugging Face checkpoint -> ONNX decoder with a KV cache, quantized, in a model folder.
+
+Export uses optimum's exporter (task ``text-generation-with-past``). Quantization:
+- int8: onnxruntime dynamic quantization of MatMul weights, per channel;
+- int4: onnxruntime's MatMulNBits weight-only quantizer (block size, symmetry and accuracy
+  level from ConvertConfig);
+- fp16: weights and compute in float16 with float32 inputs and outputs (for GPU providers;
+  on CPU it saves disk, not time).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from edgeinfer.errors import ConversionError
+from edgeinfer.manifest import Architecture, Manifest
+
+from .config import ConvertConfig
+from .source import SourceCheckpoint
+
+__all__ = ["export_onnx", "quantize_onnx", "write_model_folder"]
+
+logger = logging.getLogger(__name__)
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "config.json",
+    "generation_config.json",
+)
+_EXTERNAL_DATA_ABOVE = 1_800_000_000  # bytes: protobuf cannot hold a model over 2 GB
+
+
+def export_onnx(checkpoint: Path, out: Path) -> Path:
+    """Export ``checkpoint`` to ``out/model.onnx`` (fp32); return the graph's path."""
+    from optimum.exporters.onnx import main_export
+
+    try:
+        main_export(
+            str(checkpoint),
+            output=str(out),
+            task="text-generation-with-past",
+            device="cpu",
+            do_validation=False,
+        )
+    except (ValueError, KeyError, RuntimeError, NotImplementedError) as exc:
+        raise ConversionError(f"optimum could not export {checkpoint}: {exc}") from exc
+    graph = out / "model.onnx"
+    if not graph.is_file():
+        raise ConversionError(f"optimum wrote no model.onnx into {out}")
+    return graph
+
+
+def quantize_onnx(graph: Path, out: Path, cfg: ConvertConfig) -> dict[str, Any]:
+    """Write the ``cfg.quant`` version of ``graph`` to ``out``; return what was done."""
+    if cfg.quant == "fp32":
+        _save(_load(graph), out)
+        return {"method": "fp32"}
+    if cfg.quant == "int8":
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        quantize_dynamic(
+            graph, out, op_types_to_quantize=["MatMul"], per_channel=True,
+            weight_type=QuantType.QInt8, use_external_data_format=_is_large(graph),
+        )
+        return {"method": "int8", "scheme": "dynamic, per-channel QInt8 MatMul weights"}
+    if cfg.quant == "int4":
+        return _int4(graph, out, cfg)
+    return _fp16(graph, out)
+
+
+def _int4(graph: Path, out: Path, cfg: ConvertConfig) -> dict[str, Any]:
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    quantizer = MatMulNBitsQuantizer(
+        _load(graph),
+        bits=4,
+        block_size=cfg.int4_block_size,
+        is_symmetric=cfg.int4_symmetric,
+        accuracy_level=cfg.int4_accuracy_level,
+    )
+    quantizer.process()
+    _save(quantizer.model.model, out)
+    return {
+        "method": "int4",
+        "scheme": "MatMulNBits weight-only",
+        "block_size": cfg.int4_block_size,
+        "symmetric": cfg.int4_symmetric,
+        "accuracy_level": cfg.int4_accuracy_level,
+    }
+
+
+def _fp16(graph: Path, out: Path) -> dict[str, Any]:
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    model = convert_float_to_float16(_load(graph), keep_io_types=True)
+    _save(model, out)
+    return {"method": "fp16", "scheme": "float16 weights and compute, float32 inputs/outputs"}
+
+
+def _is_large(graph: Path) -> bool:
+    data = sum(p.stat().st_size for p in graph.parent.iterdir() if p.is_file())
+    return data > _EXTERNAL_DATA_ABOVE
+
+
+def _load(graph: Path) -> Any:
+    import onnx
+
+    return onnx.load(str(graph))
+
+
+def _save(model: Any, out: Path) -> None:
+    import onnx
+
+    large = model.ByteSize() > _EXTERNAL_DATA_ABOVE if hasattr(model, "ByteSize") else False
+    onnx.save_model(
+        model, str(out), save_as_external_data=large, all_tensors_to_one_file=True,
+        location=out.name + ".data" if large else None,
+    )
+
+
+def write_model_folder(
+    export_dir: Path, folder: Path, source: SourceCheckpoint, quantization: dict[str, Any]
+) -> Manifest:
+    """Copy the tokenizer and configs next to the graph and write the manifest."""
+    for name in _TOKENIZER_FILES:
+        if (export_dir / name).is_file():
+            shutil.copy2(export_dir / name, folder / name)
+    config = json.loads((export_dir / "config.json").read_text())
+    generation = _read_json(export_dir / "generation_config.json")
+    tok_config = _read_json(export_dir / "tokenizer_config.json")
+    manifest = Manifest(
+        format="onnx",
+        model_file="model.onnx",
+        architecture=_architecture(config),
+        chat_template_file="chat_template.jinja"
+        if (folder / "chat_template.jinja").is_file() else None,
+        bos_token=_token_text(tok_config.get("bos_token")),
+        eos_token=_token_text(tok_config.get("eos_token")),
+        eos_token_ids=tuple(_as_list(generation.get("eos_token_id", config.get("eos_token_id")))),
+        source={"kind": source.kind, "path": str(source.path), "sha256": source.sha256},
+        quantization=quantization,
+    )
+    if manifest.chat_template_file is None and tok_config.get("chat_template"):
+        (folder / "chat_template.jinja").write_text(str(tok_config["chat_template"]))
+        manifest = Manifest(**{**manifest.__dict__, "chat_template_file": "chat_template.jinja"})
+    manifest.write(folder)
+    return manifest
+
+
+def _architecture(config: dict[str, Any]) -> Architecture:
+    try:
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        return Architecture(
+            model_type=str(config.get("model_type", "unknown")),
+            num_layers=int(config["num_hidden_layers"]),
+            num_kv_heads=int(config.get("num_key_value_heads", heads)),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            hidden_size=hidden,
+            max_context=int(config.get("max_position_embeddings", 2048)),
+            vocab_size=int(config["vocab_size"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConversionError(f"config.json lacks an architecture fact: {exc}") from exc
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, list) else [value])]
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "<s>", ...}
+        value = value.get("content")
+    return value if isinstance(value, str) else None

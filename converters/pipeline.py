@@ -1,0 +1,131 @@
+"""The conversion pipeline: source -> export -> quantize -> package -> validate, atomically."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+from edgeinfer.errors import ConversionError
+from edgeinfer.manifest import Manifest
+
+from .atomic import atomic_output_dir
+from .config import ConvertConfig
+
+__all__ = ["ConversionResult", "convert", "convert_with", "format_report"]
+
+logger = logging.getLogger(__name__)
+
+StageCallback = Callable[[str], None]
+_STAGES = 4
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    path: Path
+    manifest: Manifest
+    report: dict[str, Any]
+
+
+def convert(
+    src: str | PathLike[str],
+    out: str | PathLike[str],
+    *,
+    to: str = "onnx",
+    quant: str = "int8",
+    overwrite: bool = False,
+    on_stage: StageCallback | None = None,
+    **options: Any,
+) -> ConversionResult:
+    """Convert ``src`` (a .gguf file or a Hugging Face folder) into the model folder ``out``.
+
+    The result is validated against the source; below the thresholds in ``options``
+    (``min_top1_agreement``, ``min_greedy_agreement``) ConversionError is raised and nothing is
+    written. ``out`` appears only when everything succeeded.
+    """
+    try:
+        cfg = ConvertConfig(Path(src), Path(out), to=to, quant=quant, overwrite=overwrite,
+                            **options)
+    except TypeError as exc:
+        raise ConversionError(f"unknown conversion option: {exc}") from exc
+    return convert_with(cfg, on_stage=on_stage)
+
+
+def convert_with(cfg: ConvertConfig, *, on_stage: StageCallback | None = None) -> ConversionResult:
+    from .onnx_export import export_onnx, quantize_onnx, write_model_folder
+    from .source import prepare_source
+    from .validate import validate_conversion
+
+    stage = _Stages(on_stage)
+    _quiet_libraries(cfg.threads)
+    with atomic_output_dir(cfg.out, overwrite=cfg.overwrite) as partial, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        work = partial / "_work"
+        stage(f"reading {cfg.src.name}")
+        source = prepare_source(cfg.src, work, allow_pickle=cfg.allow_pickle)
+        stage("exporting to ONNX (fp32) with optimum")
+        graph = export_onnx(source.folder, work / "export")
+        stage(f"quantizing to {cfg.quant}")
+        quantization = quantize_onnx(graph, partial / "model.onnx", cfg)
+        manifest = write_model_folder(work / "export", partial, source, quantization)
+        stage("validating against the source")
+        report = validate_conversion(source.folder, partial, manifest, cfg)
+        manifest = replace(manifest, validation=report)
+        manifest.write(partial)
+        shutil.rmtree(work)
+        if not report["passed"]:
+            raise ConversionError(
+                f"validation failed, nothing written to {cfg.out}:\n{format_report(report)}"
+            )
+        stage.done(format_report(report))
+    return ConversionResult(cfg.out, manifest, report)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    t = report["thresholds"]
+    lines = [
+        f"top-1 agreement {report['top1_agreement']:.1%} (min {t['top1']:.0%}), "
+        f"greedy agreement {report['greedy_agreement']:.1%} (min {t['greedy']:.0%}), "
+        f"mean KL {report['mean_kl']:.4f} over {report['positions']} positions of "
+        f"{report['prompts']} prompts"
+    ]
+    for row in report["per_prompt"]:
+        if row["greedy_fraction"] < 1.0:
+            lines.append(
+                f"  differs: {row['prompt']!r}: source {row['source_text']!r}, "
+                f"result {row['result_text']!r}"
+            )
+    return "\n".join(lines)
+
+
+class _Stages:
+    def __init__(self, callback: StageCallback | None) -> None:
+        self._callback = callback or (lambda line: logger.info("%s", line))
+        self._n = 0
+        self._start = time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        self._n += 1
+        elapsed = time.perf_counter() - self._start
+        self._callback(f"[{self._n}/{_STAGES}] {what} ({elapsed:.0f} s so far)")
+
+    def done(self, summary: str) -> None:
+        elapsed = time.perf_counter() - self._start
+        self._callback(f"done in {elapsed:.0f} s: {summary}")
+
+
+def _quiet_libraries(threads: int | None) -> None:
+    """Keep transformers/optimum chatter out of the user's terminal; set torch's threads."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    logging.getLogger("optimum").setLevel(logging.ERROR)
+    if threads:
+        torch.set_num_threads(threads)

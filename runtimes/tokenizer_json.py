@@ -1,0 +1,130 @@
+"""A Tokenizer over a Hugging Face ``tokenizer.json`` (the ``tokenizers`` library).
+
+Token bytes are recovered from the vocabulary itself: byte-level BPE vocabularies spell each
+byte with one printable character (the GPT-2 alphabet); SentencePiece-style vocabularies use
+``▁`` for a space and ``<0xHH>`` for raw bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from edgeinfer.errors import BackendUnavailableError, InvalidRequestError, ModelLoadError
+
+__all__ = ["JsonTokenizer"]
+
+_SPM_SPACE = "\u2581"
+
+
+@cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """Character -> byte: printable Latin-1 bytes stand for themselves, the rest are shifted
+    to code points 256 and up, in byte order."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    alphabet: dict[str, int] = {}
+    shifted = 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet[chr(byte)] = byte
+        else:
+            alphabet[chr(256 + shifted)] = byte
+            shifted += 1
+    return alphabet
+
+
+def _mentions_byte_level(node: Any) -> bool:
+    if isinstance(node, dict):
+        return node.get("type") == "ByteLevel" or any(
+            _mentions_byte_level(v) for v in node.values()
+        )
+    if isinstance(node, list):
+        return any(_mentions_byte_level(v) for v in node)
+    return False
+
+
+class JsonTokenizer:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        eos_token_ids: Iterable[int],
+        bos_token: str | None,
+        eos_token: str | None,
+        chat_template: str | None,
+        n_vocab: int | None = None,
+    ) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                "ONNX models need the tokenizers library: pip install 'edgeinfer[onnx]'"
+            ) from exc
+        try:
+            spec = json.loads(path.read_text(encoding="utf-8"))
+            self._tok = Tokenizer.from_str(json.dumps(spec))
+        except Exception as exc:  # the tokenizers library raises plain Exception
+            raise ModelLoadError(f"cannot read the tokenizer {path}: {exc}") from exc
+        self._byte_level = _mentions_byte_level(spec.get("pre_tokenizer")) or _mentions_byte_level(
+            spec.get("decoder")
+        )
+        added = spec.get("added_tokens") or []
+        self._special = {int(t["id"]) for t in added if t.get("special")}
+        self._added_text = {int(t["id"]): str(t["content"]) for t in added if not t.get("special")}
+        self._n_vocab = n_vocab or self._tok.get_vocab_size(with_added_tokens=True)
+        self._eos = frozenset(int(t) for t in eos_token_ids)
+        self._bos_token = bos_token
+        self._eos_token = eos_token
+        self._chat_template = chat_template
+        self._pieces: dict[int, bytes] = {}
+
+    @property
+    def n_vocab(self) -> int:
+        return self._n_vocab
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._bos_token
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._eos_token
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special).ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._piece(token_id)
+            self._pieces[token_id] = piece
+        return piece
+
+    def _piece(self, token_id: int) -> bytes:
+        if not 0 <= token_id < self._n_vocab:
+            raise InvalidRequestError(f"token id {token_id} is outside the vocabulary")
+        if token_id in self._special:
+            return b""
+        if token_id in self._added_text:
+            return self._added_text[token_id].encode("utf-8")
+        text = self._tok.id_to_token(token_id)
+        if text is None:  # padding ids past the tokenizer's vocabulary
+            return b""
+        if self._byte_level:
+            alphabet = _byte_level_alphabet()
+            return b"".join(
+                bytes([alphabet[c]]) if c in alphabet else c.encode("utf-8") for c in text
+            )
+        if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+            return bytes([int(text[3:5], 16)])
+        return text.replace(_SPM_SPACE, " ").encode("utf-8")
+
+    def is_end_of_generation(self, token_id: int) -> bool:
+        return token_id in self._eos
