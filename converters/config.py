@@ -9,7 +9,7 @@ from edgeinfer.errors import ConversionError
 
 __all__ = ["ONNX_QUANTS", "ConvertConfig"]
 
-ONNX_QUANTS = ("fp32", "fp16", "int8", "int4")
+ONNX_QUANTS = ("fp32", "fp16", "int8", "int8wo", "int4")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Hugging Face checkpoint -> ONNX decoder with a KV cache, quantized, in a model folder.
 
 Export uses optimum's exporter (task ``text-generation-with-past``). Quantization:
-- int8: onnxruntime dynamic quantization of MatMul weights, per channel;
+- int8: onnxruntime dynamic quantization (int8 weights per channel, activations quantized at
+  run time): fast on CPU, but small models lose accuracy to the activation quantization;
+- int8wo: 8-bit weight-only MatMulNBits (activations stay float): close to fp32;
 - int4: onnxruntime's MatMulNBits weight-only quantizer (block size, symmetry and accuracy
   level from ConvertConfig);
 - fp16: weights and compute in float16 with float32 inputs and outputs (for GPU providers;
@@ -70,17 +72,17 @@ def quantize_onnx(graph: Path, out: Path, cfg: ConvertConfig) -> dict[str, Any]:
             weight_type=QuantType.QInt8, use_external_data_format=_is_large(graph),
         )
         return {"method": "int8", "scheme": "dynamic, per-channel QInt8 MatMul weights"}
-    if cfg.quant == "int4":
-        return _int4(graph, out, cfg)
+    if cfg.quant in ("int4", "int8wo"):
+        return _nbits(graph, out, cfg, bits=4 if cfg.quant == "int4" else 8)
     return _fp16(graph, out)
 
 
-def _int4(graph: Path, out: Path, cfg: ConvertConfig) -> dict[str, Any]:
+def _nbits(graph: Path, out: Path, cfg: ConvertConfig, *, bits: int) -> dict[str, Any]:
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     quantizer = MatMulNBitsQuantizer(
         _load(graph),
-        bits=4,
+        bits=bits,
         block_size=cfg.int4_block_size,
         is_symmetric=cfg.int4_symmetric,
         accuracy_level=cfg.int4_accuracy_level,
@@ -88,8 +90,8 @@ def _int4(graph: Path, out: Path, cfg: ConvertConfig) -> dict[str, Any]:
     quantizer.process()
     _save(quantizer.model.model, out)
     return {
-        "method": "int4",
-        "scheme": "MatMulNBits weight-only",
+        "method": cfg.quant,
+        "scheme": f"MatMulNBits {bits}-bit weight-only",
         "block_size": cfg.int4_block_size,
         "symmetric": cfg.int4_symmetric,
         "accuracy_level": cfg.int4_accuracy_level,

@@ -17,7 +17,7 @@ from pathlib import Path
 from edgeinfer.errors import ConversionError, EdgeInferError
 from edgeinfer.gguf_file import GGUF_MAGIC, read_gguf_header
 
-__all__ = ["SourceCheckpoint", "file_sha256", "prepare_source"]
+__all__ = ["SourceCheckpoint", "checkpoint_from_gguf", "file_sha256", "prepare_source"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def prepare_source(src: Path, work: Path, *, allow_pickle: bool) -> SourceCheckp
                 raise ConversionError(
                     f"{src} is neither a GGUF file nor a Hugging Face model folder"
                 )
-        return _from_gguf(src, work / "hf")
+        return checkpoint_from_gguf(src, work / "hf")
     return _from_hf_folder(src, allow_pickle=allow_pickle)
 
 
@@ -73,7 +73,8 @@ def _from_hf_folder(folder: Path, *, allow_pickle: bool) -> SourceCheckpoint:
     return SourceCheckpoint(folder, "hf", folder, file_sha256(weights))
 
 
-def _from_gguf(gguf: Path, out: Path) -> SourceCheckpoint:
+def checkpoint_from_gguf(gguf: Path, out: Path) -> SourceCheckpoint:
+    """Dequantize ``gguf`` into a Hugging Face checkpoint in ``out`` (fp32 safetensors)."""
     try:
         header = read_gguf_header(gguf)
     except EdgeInferError as exc:

@@ -120,8 +120,9 @@ def _add_convert_parser(sub: Any) -> None:
     p.add_argument("src", metavar="SRC", help=".gguf file or Hugging Face model folder")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="output model folder")
     p.add_argument("--to", default="onnx", choices=["onnx"], help="target format")
-    p.add_argument("--quant", default="int8", choices=["fp32", "fp16", "int8", "int4"],
-                   help="weights: fp32, fp16 (GPU), int8 (dynamic), int4 (MatMulNBits)")
+    p.add_argument("--quant", default="int8", choices=["fp32", "fp16", "int8", "int8wo", "int4"],
+                   help="fp32; fp16 (GPU); int8 (dynamic, weights and activations); int8wo "
+                   "(8-bit weight-only); int4 (4-bit weight-only). Default: int8")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--allow-pickle", action="store_true",
                    help="accept .bin/.pt pickle weights (they can run code: trusted files only)")

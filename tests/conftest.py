@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -30,3 +30,45 @@ def default_model(default_gguf: Path) -> Iterator[Model]:
     model = edgeinfer.load(default_gguf, context_length=1024, threads=2)
     yield model
     model.close()
+
+
+# Derived artifacts of the default model (its Hugging Face checkpoint, its ONNX conversions)
+# are cached under $EDGEINFER_HOME/derived/<source sha256[:16]>-r<recipe>/, so only the first
+# session pays for them. Bump the recipe when the converter's output changes.
+_RECIPE = 1
+
+
+def _derived_dir() -> Path:
+    entry = catalog.CATALOG[catalog.DEFAULT_MODEL]
+    assert entry.sha256 is not None
+    return catalog.edgeinfer_home() / "derived" / f"{entry.sha256[:16]}-r{_RECIPE}"
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint(default_gguf: Path) -> Path:
+    """The default model dequantized to a Hugging Face checkpoint (fp32 safetensors)."""
+    pytest.importorskip("transformers", reason="needs the convert extra")
+    from edgeinfer.converters.atomic import atomic_output_dir
+    from edgeinfer.converters.source import checkpoint_from_gguf
+
+    folder = _derived_dir() / "hf"
+    if not (folder / "config.json").is_file():
+        with atomic_output_dir(folder, overwrite=True) as partial:
+            checkpoint_from_gguf(default_gguf, partial)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def default_onnx(default_checkpoint: Path) -> Callable[[str], Path]:
+    """quant -> the default model converted to ONNX with that quantization (validation run,
+    its thresholds at 0 so that the folder exists whatever the figures; tests read them)."""
+    from edgeinfer.converters import convert
+
+    def get(quant: str) -> Path:
+        folder = _derived_dir() / f"onnx-{quant}"
+        if not (folder / "edgeinfer.json").is_file():
+            convert(default_checkpoint, folder, quant=quant, overwrite=True,
+                    min_top1_agreement=0.0, min_greedy_agreement=0.0)
+        return folder
+
+    return get

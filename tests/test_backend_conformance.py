@@ -1,0 +1,124 @@
+"""One suite, run against every installed backend on the default model (marked `model`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import edgeinfer
+from edgeinfer import EdgeInferError, InvalidRequestError
+from edgeinfer.model import Model
+from edgeinfer.runtimes.base import Backend, Tokenizer
+
+pytestmark = pytest.mark.model
+
+BACKENDS = ["gguf", "onnx"]
+
+
+@pytest.fixture(params=BACKENDS)
+def model_path(request: pytest.FixtureRequest, default_gguf: Path) -> Path:
+    if request.param == "gguf":
+        return default_gguf
+    pytest.importorskip("onnxruntime", reason="needs the onnx extra")
+    get: Callable[[str], Path] = request.getfixturevalue("default_onnx")
+    return get("fp32")
+
+
+@pytest.fixture
+def model(model_path: Path) -> Iterator[Model]:
+    with edgeinfer.load(model_path, context_length=512, threads=2) as m:
+        yield m
+
+
+def test_greedy_answer_names_paris(model: Model) -> None:
+    result = model.generate("The capital of France is", max_new_tokens=16, temperature=0)
+    assert "Paris" in result.text
+
+
+@pytest.mark.parametrize("prompt", ["Fruit emoji: 🍎 🍌 🍇", "Chinese numbers: 一, 二, 三,",
+                                    "Café, naïve, résumé, crème brûlée,"])
+def test_stream_joins_to_generate(model: Model, prompt: str) -> None:
+    result = model.generate(prompt, max_new_tokens=24, temperature=0)
+    chunks = list(model.stream(prompt, max_new_tokens=24, temperature=0))
+    assert "".join(c.text for c in chunks) == result.text
+    assert any(ord(ch) > 127 for ch in result.text)  # the answer really is multi-byte
+    assert all("\ufffd" not in c.text for c in chunks[:-1])
+
+
+def test_repeated_prompt_gives_the_same_tokens(model: Model) -> None:
+    first = model.generate("Once upon a time", max_new_tokens=24, temperature=0)
+    again = model.generate("Once upon a time", max_new_tokens=24, temperature=0)
+    assert again.stats.reused_prompt_tokens > 0
+    assert first.token_ids == again.token_ids
+
+
+def test_chat_reuses_the_conversation(model_path: Path) -> None:
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    with edgeinfer.load(model_path, context_length=512) as model:
+        first = model.chat(messages, max_new_tokens=12, temperature=0)
+        messages += [{"role": "assistant", "content": first.text},
+                     {"role": "user", "content": "And a vegetable?"}]
+        second = model.chat(messages, max_new_tokens=12, temperature=0)
+    assert second.stats.reused_prompt_tokens > 30
+
+
+def test_seed_reproduces_across_loads(model_path: Path) -> None:
+    outputs = []
+    for _ in range(2):
+        with edgeinfer.load(model_path, context_length=256) as model:
+            outputs.append(model.generate("Tell me a story:", max_new_tokens=16, temperature=0.9,
+                                          seed=42).token_ids)
+    assert outputs[0] == outputs[1]
+
+
+def test_rewind_then_prefill_matches_one_prefill(model: Model) -> None:
+    backend = model._backend
+    ids = model.tokenize("The quick brown fox jumps over the lazy dog")
+    model._history.tokens = []
+    backend.rewind(0)
+    whole = np.array(backend.prefill(ids))
+    backend.rewind(4)
+    assert backend.n_past == 4
+    again = np.array(backend.prefill(ids[4:]))
+    backend.rewind(0)
+    np.testing.assert_allclose(again, whole, atol=1e-3)
+    assert int(again.argmax()) == int(whole.argmax())
+
+
+def test_protocol_and_info(model: Model) -> None:
+    backend = model._backend
+    assert isinstance(backend, Backend) and isinstance(backend.tokenizer, Tokenizer)
+    info = model.info
+    for key in ("backend", "provider", "device", "threads", "context_length", "kv_cache_bytes"):
+        assert key in info, key
+    assert info["context_length"] == 512 and info["vocab_size"] == 49152
+    # 2 (K, V) x 30 layers x 3 KV heads x 64 dims x 512 tokens x bytes per element
+    assert info["kv_cache_bytes"] in (2 * 30 * 3 * 64 * 512 * 2, 2 * 30 * 3 * 64 * 512 * 4)
+
+
+def test_tokenizer_round_trip(model: Model) -> None:
+    text = "Hello, wörld! 你好 🙂"
+    assert model.detokenize(model.tokenize(text)) == text
+    assert model.tokenize("<|im_start|>", add_special=False) == [1]
+
+
+def test_context_limits(model_path: Path) -> None:
+    with pytest.raises(InvalidRequestError, match="trained context"):
+        edgeinfer.load(model_path, context_length=100_000)
+    with edgeinfer.load(model_path, context_length=32) as model:
+        result = model.generate("1, 2, 3, 4, 5,", max_new_tokens=100, temperature=0)
+        assert result.finish_reason == "length"
+        assert result.stats.prompt_tokens + result.stats.completion_tokens == 32
+        with pytest.raises(InvalidRequestError, match="context"):
+            model.stream("word " * 40)
+
+
+def test_close_is_idempotent(model_path: Path) -> None:
+    model = edgeinfer.load(model_path, context_length=64)
+    model.close()
+    model.close()
+    with pytest.raises(EdgeInferError, match="closed"):
+        model.generate("hi")
