@@ -28,10 +28,17 @@ def run_edgeinfer(folder: str, n_prompt: int, threads: int) -> dict[str, float]:
 
     with edgeinfer.load(folder, context_length=1024, threads=threads) as model:
         eos = [t for t in (0, 1, 2) if model._tokenizer.is_end_of_generation(t)]
-        r = model.generate(PROMPT_BASE[:n_prompt], max_new_tokens=NEW_TOKENS, temperature=0,
-                           logit_bias={t: float("-inf") for t in eos})
-    return {"tokens": r.stats.completion_tokens, "ttft_s": r.stats.ttft_s,
-            "decode_tok_s": r.stats.decode_tokens_per_s}
+        r = model.generate(
+            PROMPT_BASE[:n_prompt],
+            max_new_tokens=NEW_TOKENS,
+            temperature=0,
+            logit_bias={t: float("-inf") for t in eos},
+        )
+    return {
+        "tokens": r.stats.completion_tokens,
+        "ttft_s": r.stats.ttft_s,
+        "decode_tok_s": r.stats.decode_tokens_per_s,
+    }
 
 
 def run_optimum(folder: str, n_prompt: int, threads: int) -> dict[str, float]:
@@ -44,8 +51,9 @@ def run_optimum(folder: str, n_prompt: int, threads: int) -> dict[str, float]:
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     torch.set_num_threads(threads)
-    model = ORTModelForCausalLM.from_pretrained(folder, session_options=options,
-                                                provider="CPUExecutionProvider")
+    model = ORTModelForCausalLM.from_pretrained(
+        folder, session_options=options, provider="CPUExecutionProvider"
+    )
     stamps: list[float] = []
 
     class Stamp(LogitsProcessor):  # called once per generated token, before it is chosen
@@ -55,20 +63,33 @@ def run_optimum(folder: str, n_prompt: int, threads: int) -> dict[str, float]:
 
     ids = torch.tensor([PROMPT_BASE[:n_prompt]])
     t0 = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                         min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-                         logits_processor=LogitsProcessorList([Stamp()]))
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        pad_token_id=0,
+        logits_processor=LogitsProcessorList([Stamp()]),
+    )
     n = out.shape[1] - n_prompt
-    return {"tokens": n, "ttft_s": stamps[0] - t0,
-            "decode_tok_s": (n - 1) / (stamps[-1] - stamps[0]) if n > 1 else 0.0}
+    return {
+        "tokens": n,
+        "ttft_s": stamps[0] - t0,
+        "decode_tok_s": (n - 1) / (stamps[-1] - stamps[0]) if n > 1 else 0.0,
+    }
 
 
 ENGINES = {"edgeinfer": run_edgeinfer, "optimum": run_optimum}
 
 
 def measure(engine: str, folder: str, n_prompt: int, threads: int) -> dict[str, float]:
-    out = subprocess.run([sys.executable, __file__, "--child", engine, folder, str(n_prompt),
-                          str(threads)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", engine, folder, str(n_prompt), str(threads)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -88,10 +109,15 @@ def main() -> int:
     args = parser.parse_args()
     manifest = json.loads((Path(args.folder) / "edgeinfer.json").read_text())
     report: dict[str, object] = {
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "threads": args.threads},
-        "model": args.folder, "quantization": manifest["quantization"].get("method"),
-        "new_tokens": NEW_TOKENS, "results": {},
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "threads": args.threads,
+        },
+        "model": args.folder,
+        "quantization": manifest["quantization"].get("method"),
+        "new_tokens": NEW_TOKENS,
+        "results": {},
     }
     for n_prompt in (128, 512):
         runs: dict[str, list[dict[str, float]]] = {e: [] for e in ENGINES}
@@ -105,8 +131,10 @@ def main() -> int:
         for engine, m in med.items():
             lo = min(r["decode_tok_s"] for r in runs[engine])
             hi = max(r["decode_tok_s"] for r in runs[engine])
-            print(f"prompt {n_prompt:4d} {engine:<10} ttft {m['ttft_s'] * 1000:7.1f} ms  decode "
-                  f"{m['decode_tok_s']:6.1f} tok/s [{lo:.1f}-{hi:.1f}]  tokens {m['tokens']:.0f}")
+            print(
+                f"prompt {n_prompt:4d} {engine:<10} ttft {m['ttft_s'] * 1000:7.1f} ms  decode "
+                f"{m['decode_tok_s']:6.1f} tok/s [{lo:.1f}-{hi:.1f}]  tokens {m['tokens']:.0f}"
+            )
         ratio = med["edgeinfer"]["decode_tok_s"] / med["optimum"]["decode_tok_s"]
         print(f"prompt {n_prompt:4d} decode ratio edgeinfer/optimum: {ratio:.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -68,8 +68,12 @@ def quantize_onnx(graph: Path, out: Path, cfg: ConvertConfig) -> dict[str, Any]:
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
         quantize_dynamic(
-            graph, out, op_types_to_quantize=["MatMul"], per_channel=True,
-            weight_type=QuantType.QInt8, use_external_data_format=_is_large(graph),
+            graph,
+            out,
+            op_types_to_quantize=["MatMul"],
+            per_channel=True,
+            weight_type=QuantType.QInt8,
+            use_external_data_format=_is_large(graph),
         )
         return {"method": "int8", "scheme": "dynamic, per-channel QInt8 MatMul weights"}
     if cfg.quant in ("int4", "int8wo"):
@@ -122,7 +126,10 @@ def _save(model: Any, out: Path) -> None:
 
     large = model.ByteSize() > _EXTERNAL_DATA_ABOVE if hasattr(model, "ByteSize") else False
     onnx.save_model(
-        model, str(out), save_as_external_data=large, all_tensors_to_one_file=True,
+        model,
+        str(out),
+        save_as_external_data=large,
+        all_tensors_to_one_file=True,
         location=out.name + ".data" if large else None,
     )
 
@@ -142,7 +149,8 @@ def write_model_folder(
         model_file="model.onnx",
         architecture=_architecture(config),
         chat_template_file="chat_template.jinja"
-        if (folder / "chat_template.jinja").is_file() else None,
+        if (folder / "chat_template.jinja").is_file()
+        else None,
         bos_token=_token_text(tok_config.get("bos_token")),
         eos_token=_token_text(tok_config.get("eos_token")),
         eos_token_ids=tuple(_as_list(generation.get("eos_token_id", config.get("eos_token_id")))),

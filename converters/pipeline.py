@@ -50,8 +50,9 @@ def convert(
     written. ``out`` appears only when everything succeeded.
     """
     try:
-        cfg = ConvertConfig(Path(src), Path(out), to=to, quant=quant, overwrite=overwrite,
-                            **options)
+        cfg = ConvertConfig(
+            Path(src), Path(out), to=to, quant=quant, overwrite=overwrite, **options
+        )
     except TypeError as exc:
         raise ConversionError(f"unknown conversion option: {exc}") from exc
     return convert_with(cfg, on_stage=on_stage)

@@ -87,8 +87,7 @@ def checkpoint_from_gguf(gguf: Path, out: Path) -> SourceCheckpoint:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (ValueError, KeyError, RuntimeError, OSError) as exc:
         raise ConversionError(
-            f"transformers cannot read {gguf.name} (architecture "
-            f"{header.architecture!r}): {exc}"
+            f"transformers cannot read {gguf.name} (architecture {header.architecture!r}): {exc}"
         ) from exc
     _apply_gguf_tokenizer_settings(tokenizer, header.metadata)
     out.mkdir(parents=True, exist_ok=True)

@@ -66,8 +66,11 @@ def _compare(reference: Any, model: Model, prompt: str, n: int) -> dict[str, Any
     eos = model._tokenizer.is_end_of_generation
     with torch.no_grad():
         out = reference.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=n, do_sample=False, pad_token_id=0,
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
         )
         continuation = _until_eos([int(t) for t in out[0, len(ids) :]], eos)
         full = torch.tensor([ids + continuation[:-1]]) if continuation else torch.tensor([ids])

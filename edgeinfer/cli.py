@@ -120,20 +120,41 @@ def _add_convert_parser(sub: Any) -> None:
     p.add_argument("src", metavar="SRC", help=".gguf file or Hugging Face model folder")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="output model folder")
     p.add_argument("--to", default="onnx", choices=["onnx"], help="target format")
-    p.add_argument("--quant", default="int8", choices=["fp32", "fp16", "int8", "int8wo", "int4"],
-                   help="fp32; fp16 (GPU); int8 (dynamic, weights and activations); int8wo "
-                   "(8-bit weight-only); int4 (4-bit weight-only). Default: int8")
+    p.add_argument(
+        "--quant",
+        default="int8",
+        choices=["fp32", "fp16", "int8", "int8wo", "int4"],
+        help="fp32; fp16 (GPU); int8 (dynamic, weights and activations); int8wo "
+        "(8-bit weight-only); int4 (4-bit weight-only). Default: int8",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
-    p.add_argument("--allow-pickle", action="store_true",
-                   help="accept .bin/.pt pickle weights (they can run code: trusted files only)")
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="accept .bin/.pt pickle weights (they can run code: trusted files only)",
+    )
     p.add_argument("--int4-block-size", type=int, default=32, metavar="N")
     p.add_argument("--int4-symmetric", action="store_true", help="symmetric int4 blocks")
-    p.add_argument("--int4-accuracy-level", type=int, metavar="L",
-                   help="ORT MatMulNBits compute: 1 fp32, 2 fp16, 3 bf16, 4 int8")
-    p.add_argument("--min-top1", type=float, default=0.90, metavar="X",
-                   help="least top-1 agreement with the source (default: 0.90)")
-    p.add_argument("--min-greedy", type=float, default=0.60, metavar="X",
-                   help="least greedy-continuation agreement (default: 0.60)")
+    p.add_argument(
+        "--int4-accuracy-level",
+        type=int,
+        metavar="L",
+        help="ORT MatMulNBits compute: 1 fp32, 2 fp16, 3 bf16, 4 int8",
+    )
+    p.add_argument(
+        "--min-top1",
+        type=float,
+        default=0.90,
+        metavar="X",
+        help="least top-1 agreement with the source (default: 0.90)",
+    )
+    p.add_argument(
+        "--min-greedy",
+        type=float,
+        default=0.60,
+        metavar="X",
+        help="least greedy-continuation agreement (default: 0.60)",
+    )
     p.add_argument("--threads", type=int, metavar="N", help="threads for export and checks")
 
 
@@ -231,10 +252,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from .converters import ConvertConfig, convert_with
 
     cfg = ConvertConfig(
-        src=args.src, out=args.output, to=args.to, quant=args.quant, overwrite=args.overwrite,
-        allow_pickle=args.allow_pickle, int4_block_size=args.int4_block_size,
-        int4_symmetric=args.int4_symmetric, int4_accuracy_level=args.int4_accuracy_level,
-        min_top1_agreement=args.min_top1, min_greedy_agreement=args.min_greedy,
+        src=args.src,
+        out=args.output,
+        to=args.to,
+        quant=args.quant,
+        overwrite=args.overwrite,
+        allow_pickle=args.allow_pickle,
+        int4_block_size=args.int4_block_size,
+        int4_symmetric=args.int4_symmetric,
+        int4_accuracy_level=args.int4_accuracy_level,
+        min_top1_agreement=args.min_top1,
+        min_greedy_agreement=args.min_greedy,
         threads=args.threads,
     )
     result = convert_with(cfg, on_stage=lambda line: print(line, file=sys.stderr, flush=True))

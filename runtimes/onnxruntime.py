@@ -111,8 +111,9 @@ class OrtBackend:
             "backend": "onnxruntime",
             "engine_version": ort.__version__,
             "provider": self._session.get_providers()[0],
-            "device": "cpu" if self._session.get_providers()[0] == "CPUExecutionProvider" else
-            config.device,
+            "device": "cpu"
+            if self._session.get_providers()[0] == "CPUExecutionProvider"
+            else config.device,
             "threads": self._threads,
             "quantization": manifest.quantization.get("method", "unknown"),
         }
@@ -154,8 +155,13 @@ class OrtBackend:
     @property
     def kv_nbytes(self) -> int:
         a = self._arch
-        return 2 * a.num_layers * a.num_kv_heads * a.head_dim * self._n_ctx * _KV_BYTES.get(
-            a.kv_dtype, 4
+        return (
+            2
+            * a.num_layers
+            * a.num_kv_heads
+            * a.head_dim
+            * self._n_ctx
+            * _KV_BYTES.get(a.kv_dtype, 4)
         )
 
     @property
@@ -198,7 +204,11 @@ class OrtBackend:
             binding.bind_ortvalue_input(name, value)
         if n == 1:  # decode: logits land in one preallocated buffer, no allocation per token
             binding.bind_output(
-                "logits", "cpu", 0, np.float32, list(self._decode_logits.shape),
+                "logits",
+                "cpu",
+                0,
+                np.float32,
+                list(self._decode_logits.shape),
                 self._decode_logits.ctypes.data,
             )
         else:

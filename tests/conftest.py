@@ -67,8 +67,14 @@ def default_onnx(default_checkpoint: Path) -> Callable[[str], Path]:
     def get(quant: str) -> Path:
         folder = _derived_dir() / f"onnx-{quant}"
         if not (folder / "edgeinfer.json").is_file():
-            convert(default_checkpoint, folder, quant=quant, overwrite=True,
-                    min_top1_agreement=0.0, min_greedy_agreement=0.0)
+            convert(
+                default_checkpoint,
+                folder,
+                quant=quant,
+                overwrite=True,
+                min_top1_agreement=0.0,
+                min_greedy_agreement=0.0,
+            )
         return folder
 
     return get

@@ -38,8 +38,10 @@ def test_greedy_answer_names_paris(model: Model) -> None:
     assert "Paris" in result.text
 
 
-@pytest.mark.parametrize("prompt", ["Fruit emoji: 🍎 🍌 🍇", "Chinese numbers: 一, 二, 三,",
-                                    "Café, naïve, résumé, crème brûlée,"])
+@pytest.mark.parametrize(
+    "prompt",
+    ["Fruit emoji: 🍎 🍌 🍇", "Chinese numbers: 一, 二, 三,", "Café, naïve, résumé, crème brûlée,"],
+)
 def test_stream_joins_to_generate(model: Model, prompt: str) -> None:
     result = model.generate(prompt, max_new_tokens=24, temperature=0)
     chunks = list(model.stream(prompt, max_new_tokens=24, temperature=0))
@@ -59,8 +61,10 @@ def test_chat_reuses_the_conversation(model_path: Path) -> None:
     messages = [{"role": "user", "content": "Name a fruit."}]
     with edgeinfer.load(model_path, context_length=512) as model:
         first = model.chat(messages, max_new_tokens=12, temperature=0)
-        messages += [{"role": "assistant", "content": first.text},
-                     {"role": "user", "content": "And a vegetable?"}]
+        messages += [
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "And a vegetable?"},
+        ]
         second = model.chat(messages, max_new_tokens=12, temperature=0)
     assert second.stats.reused_prompt_tokens > 30
 
@@ -69,8 +73,11 @@ def test_seed_reproduces_across_loads(model_path: Path) -> None:
     outputs = []
     for _ in range(2):
         with edgeinfer.load(model_path, context_length=256) as model:
-            outputs.append(model.generate("Tell me a story:", max_new_tokens=16, temperature=0.9,
-                                          seed=42).token_ids)
+            outputs.append(
+                model.generate(
+                    "Tell me a story:", max_new_tokens=16, temperature=0.9, seed=42
+                ).token_ids
+            )
     assert outputs[0] == outputs[1]
 
 

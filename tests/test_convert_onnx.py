@@ -39,8 +39,13 @@ def tiny_onnx(tiny_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_output_folder_is_self_contained(tiny_onnx: Path, tiny_hf: Path) -> None:
     names = {p.name for p in tiny_onnx.iterdir()}
-    assert {"model.onnx", "tokenizer.json", "chat_template.jinja", "generation_config.json",
-            MANIFEST_NAME} <= names
+    assert {
+        "model.onnx",
+        "tokenizer.json",
+        "chat_template.jinja",
+        "generation_config.json",
+        MANIFEST_NAME,
+    } <= names
     assert not any(n.startswith((".", "_")) for n in names)
     manifest = json.loads((tiny_onnx / MANIFEST_NAME).read_text())
     assert manifest["source"]["kind"] == "hf" and len(manifest["source"]["sha256"]) == 64
@@ -60,11 +65,15 @@ def test_greedy_ids_equal_transformers(tiny_onnx: Path, tiny_hf: Path) -> None:
             ids = model.tokenize(prompt)
             ours = model.generate(ids, max_new_tokens=32, temperature=0).token_ids
             with torch.no_grad():
-                out = reference.generate(torch.tensor([ids]), max_new_tokens=len(ours),
-                                         min_new_tokens=len(ours), do_sample=False,
-                                         attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                         pad_token_id=0)
-            assert list(ours) == out[0, len(ids):].tolist(), prompt
+                out = reference.generate(
+                    torch.tensor([ids]),
+                    max_new_tokens=len(ours),
+                    min_new_tokens=len(ours),
+                    do_sample=False,
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                    pad_token_id=0,
+                )
+            assert list(ours) == out[0, len(ids) :].tolist(), prompt
 
 
 def test_tokenizer_matches_the_source(tiny_onnx: Path, tiny_hf: Path) -> None:
@@ -112,8 +121,14 @@ def test_failed_validation_writes_nothing_and_keeps_the_old_output(
     (out / "keep.txt").write_text("old")
     with pytest.raises(ConversionError, match="validation failed") as info:
         # int4 of random weights cannot agree perfectly: demand perfection to force a failure
-        convert(tiny_hf, out, quant="int4", overwrite=True, min_top1_agreement=1.0,
-                min_greedy_agreement=1.0)
+        convert(
+            tiny_hf,
+            out,
+            quant="int4",
+            overwrite=True,
+            min_top1_agreement=1.0,
+            min_greedy_agreement=1.0,
+        )
     assert "top-1 agreement" in str(info.value)
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no partial folder left
@@ -123,8 +138,9 @@ def test_failed_validation_writes_nothing_and_keeps_the_old_output(
 def test_every_quantization_runs_or_reports(tiny_hf: Path, tmp_path: Path, quant: str) -> None:
     from edgeinfer.converters import convert
 
-    result = convert(tiny_hf, tmp_path / quant, quant=quant, min_top1_agreement=0.0,
-                     min_greedy_agreement=0.0)
+    result = convert(
+        tiny_hf, tmp_path / quant, quant=quant, min_top1_agreement=0.0, min_greedy_agreement=0.0
+    )
     report = result.report
     assert 0.0 <= report["top1_agreement"] <= 1.0 and report["mean_kl"] >= 0.0
     with edgeinfer.load(result.path) as model:
@@ -135,9 +151,20 @@ def test_every_quantization_runs_or_reports(tiny_hf: Path, tmp_path: Path, quant
 def test_sigkill_mid_conversion_leaves_no_output(tiny_hf: Path, tmp_path: Path) -> None:
     out = tmp_path / "killed"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "edgeinfer.cli", "convert", str(tiny_hf), "-o", str(out),
-         "--quant", "int4"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ},
+        [
+            sys.executable,
+            "-m",
+            "edgeinfer.cli",
+            "convert",
+            str(tiny_hf),
+            "-o",
+            str(out),
+            "--quant",
+            "int4",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ},
     )
     deadline = time.monotonic() + 120
     partials: list[Path] = []

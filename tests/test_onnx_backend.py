@@ -38,19 +38,23 @@ def test_fp32_greedy_ids_equal_transformers(
             ours = list(model.generate(ids, max_new_tokens=32, temperature=0).token_ids)
             with torch.no_grad():
                 out = reference.generate(
-                    torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                    max_new_tokens=32, do_sample=False, pad_token_id=0,
+                    torch.tensor([ids]),
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                    max_new_tokens=32,
+                    do_sample=False,
+                    pad_token_id=0,
                 )
-            theirs = out[0, len(ids):].tolist()
+            theirs = out[0, len(ids) :].tolist()
             assert ours == theirs[: len(ours)] and len(ours) in (len(theirs), len(theirs) - 1)
 
 
 def test_onnx_tokenizer_equals_the_gguf_tokenizer(
     default_onnx: Callable[[str], Path], default_gguf: Path
 ) -> None:
-    with edgeinfer.load(default_gguf, context_length=64) as gguf, edgeinfer.load(
-        default_onnx("fp32"), context_length=64
-    ) as onnx:
+    with (
+        edgeinfer.load(default_gguf, context_length=64) as gguf,
+        edgeinfer.load(default_onnx("fp32"), context_length=64) as onnx,
+    ):
         assert onnx.tokenize(MIXED_TEXT) == gguf.tokenize(MIXED_TEXT)
         ids = gguf.tokenize(MIXED_TEXT)
         assert onnx.detokenize(ids) == gguf.detokenize(ids)
@@ -75,14 +79,42 @@ def test_quantized_models_report_their_agreement(
 def test_cli_converts_the_gguf_and_runs_it(default_gguf: Path, tmp_path: Path) -> None:
     out = tmp_path / "smol-onnx"
     conv = subprocess.run(
-        [sys.executable, "-m", "edgeinfer.cli", "convert", str(default_gguf), "-o", str(out),
-         "--to", "onnx", "--quant", "fp32"], capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "edgeinfer.cli",
+            "convert",
+            str(default_gguf),
+            "-o",
+            str(out),
+            "--to",
+            "onnx",
+            "--quant",
+            "fp32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert conv.returncode == 0, conv.stderr
     assert "top-1 agreement 100.0%" in conv.stderr and conv.stdout.strip() == str(out)
     run = subprocess.run(
-        [sys.executable, "-m", "edgeinfer.cli", "run", str(out), "-p", "The capital of France is",
-         "-n", "16", "--temperature", "0"], capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "edgeinfer.cli",
+            "run",
+            str(out),
+            "-p",
+            "The capital of France is",
+            "-n",
+            "16",
+            "--temperature",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr
     assert "Paris" in run.stdout
