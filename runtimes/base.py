@@ -15,7 +15,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["Backend", "Tokenizer"]
+from edgeinfer.errors import InvalidRequestError
+
+__all__ = ["Backend", "Tokenizer", "TokenizerBase", "check_fits"]
 
 
 @runtime_checkable
@@ -83,3 +85,61 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release the engine session; calling it again does nothing."""
+
+
+class TokenizerBase:
+    """The facts every Tokenizer exposes, and a per-token cache in front of ``_piece``."""
+
+    def __init__(
+        self,
+        *,
+        n_vocab: int,
+        bos_token: str | None,
+        eos_token: str | None,
+        chat_template: str | None,
+    ) -> None:
+        self._n_vocab = n_vocab
+        self._bos_token = bos_token
+        self._eos_token = eos_token
+        self._chat_template = chat_template if isinstance(chat_template, str) else None
+        self._pieces: dict[int, bytes] = {}
+
+    @property
+    def n_vocab(self) -> int:
+        return self._n_vocab
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._bos_token
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._eos_token
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            if not 0 <= token_id < self._n_vocab:
+                raise InvalidRequestError(f"token id {token_id} is outside the vocabulary")
+            piece = self._piece(token_id)
+            self._pieces[token_id] = piece
+        return piece
+
+    def _piece(self, token_id: int) -> bytes:
+        raise NotImplementedError
+
+
+def check_fits(token_ids: Sequence[int], n_past: int, n_ctx: int) -> list[int]:
+    """``token_ids`` as ints, if at least one is given and all fit after ``n_past`` tokens."""
+    ids = [int(t) for t in token_ids]
+    if not ids:
+        raise InvalidRequestError("prefill needs at least one token")
+    if n_past + len(ids) > n_ctx:
+        raise InvalidRequestError(
+            f"{n_past + len(ids)} tokens do not fit the context of {n_ctx}; the context is full"
+        )
+    return ids

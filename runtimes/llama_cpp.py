@@ -25,6 +25,8 @@ from edgeinfer.errors import (
 )
 from edgeinfer.gguf_file import GGUFHeader
 
+from .base import TokenizerBase, check_fits
+
 __all__ = ["LlamaCppBackend", "LlamaCppTokenizer", "open_backend"]
 
 logger = logging.getLogger(__name__)
@@ -60,17 +62,18 @@ def open_backend(path: Path, config: LoadConfig, header: GGUFHeader) -> LlamaCpp
     return LlamaCppBackend(path, config, header)
 
 
-class LlamaCppTokenizer:
+class LlamaCppTokenizer(TokenizerBase):
     """The vocabulary stored in the GGUF file, through llama.cpp's tokenizer."""
 
     def __init__(self, llama: Any, vocab: Any, header: GGUFHeader) -> None:
         self._llama = llama
         self._vocab = vocab
-        self._n_vocab = int(llama.llama_vocab_n_tokens(vocab))
-        self._pieces: dict[int, bytes] = {}
-        self._chat_template = header.metadata.get("tokenizer.chat_template")
-        self._bos = self._special_text(llama.llama_vocab_bos(vocab))
-        self._eos = self._special_text(llama.llama_vocab_eos(vocab))
+        super().__init__(
+            n_vocab=int(llama.llama_vocab_n_tokens(vocab)),
+            bos_token=self._special_text(llama.llama_vocab_bos(vocab)),
+            eos_token=self._special_text(llama.llama_vocab_eos(vocab)),
+            chat_template=header.metadata.get("tokenizer.chat_template"),
+        )
 
     def _special_text(self, token_id: int) -> str | None:
         if token_id < 0:
@@ -87,22 +90,6 @@ class LlamaCppTokenizer:
         """Called when the engine model is freed: later calls raise instead of crashing."""
         self._vocab = None
 
-    @property
-    def n_vocab(self) -> int:
-        return self._n_vocab
-
-    @property
-    def bos_token(self) -> str | None:
-        return self._bos
-
-    @property
-    def eos_token(self) -> str | None:
-        return self._eos
-
-    @property
-    def chat_template(self) -> str | None:
-        return self._chat_template if isinstance(self._chat_template, str) else None
-
     def encode(self, text: str, *, add_special: bool = True) -> list[int]:
         data = text.encode("utf-8", errors="replace")
         capacity = len(data) + 8
@@ -115,16 +102,7 @@ class LlamaCppTokenizer:
                 return list(buf[:n])
             capacity = -n
 
-    def token_bytes(self, token_id: int) -> bytes:
-        piece = self._pieces.get(token_id)
-        if piece is None:
-            piece = self._piece(token_id)
-            self._pieces[token_id] = piece
-        return piece
-
     def _piece(self, token_id: int) -> bytes:
-        if not 0 <= token_id < self._n_vocab:
-            raise InvalidRequestError(f"token id {token_id} is outside the vocabulary")
         size = 32
         while True:
             buf = ctypes.create_string_buffer(size)
@@ -228,22 +206,14 @@ class LlamaCppBackend:
         return dict(self._info)
 
     def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
-        ids = [int(t) for t in token_ids]
-        if not ids:
-            raise InvalidRequestError("prefill needs at least one token")
-        if self._n_past + len(ids) > self._n_ctx:
-            raise InvalidRequestError(
-                f"{self._n_past + len(ids)} tokens do not fit the context of {self._n_ctx}"
-            )
+        ids = check_fits(token_ids, self._n_past, self._n_ctx)
         for start in range(0, len(ids), self._n_batch):
             chunk = ids[start : start + self._n_batch]
             self._submit(chunk, want_logits=start + len(chunk) == len(ids))
         return self._last_logits()
 
     def decode(self, token_id: int) -> np.ndarray:
-        if self._n_past >= self._n_ctx:
-            raise InvalidRequestError(f"the context of {self._n_ctx} tokens is full")
-        self._submit([int(token_id)], want_logits=True)
+        self._submit(check_fits([token_id], self._n_past, self._n_ctx), want_logits=True)
         return self._last_logits()
 
     def rewind(self, n: int) -> None:

@@ -25,6 +25,7 @@ from edgeinfer.errors import (
 )
 from edgeinfer.manifest import Manifest
 
+from .base import check_fits
 from .tokenizer_json import JsonTokenizer
 
 __all__ = ["OrtBackend", "open_backend"]
@@ -169,13 +170,7 @@ class OrtBackend:
         return dict(self._info)
 
     def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
-        ids = [int(t) for t in token_ids]
-        if not ids:
-            raise InvalidRequestError("prefill needs at least one token")
-        if self._n_past + len(ids) > self._n_ctx:
-            raise InvalidRequestError(
-                f"{self._n_past + len(ids)} tokens do not fit the context of {self._n_ctx}"
-            )
+        ids = check_fits(token_ids, self._n_past, self._n_ctx)
         logits: np.ndarray | None = None
         for start in range(0, len(ids), _PREFILL_CHUNK):
             logits = self._run(ids[start : start + _PREFILL_CHUNK])
@@ -183,9 +178,7 @@ class OrtBackend:
         return logits
 
     def decode(self, token_id: int) -> np.ndarray:
-        if self._n_past >= self._n_ctx:
-            raise InvalidRequestError(f"the context of {self._n_ctx} tokens is full")
-        return self._run([int(token_id)])
+        return self._run(check_fits([token_id], self._n_past, self._n_ctx))
 
     def _run(self, ids: list[int]) -> np.ndarray:
         """One graph run over ``ids``; returns the last position's logits [vocab]."""

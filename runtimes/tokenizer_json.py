@@ -13,7 +13,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from edgeinfer.errors import BackendUnavailableError, InvalidRequestError, ModelLoadError
+from edgeinfer.errors import BackendUnavailableError, ModelLoadError
+
+from .base import TokenizerBase
 
 __all__ = ["JsonTokenizer"]
 
@@ -46,7 +48,7 @@ def _mentions_byte_level(node: Any) -> bool:
     return False
 
 
-class JsonTokenizer:
+class JsonTokenizer(TokenizerBase):
     def __init__(
         self,
         path: Path,
@@ -74,42 +76,18 @@ class JsonTokenizer:
         added = spec.get("added_tokens") or []
         self._special = {int(t["id"]) for t in added if t.get("special")}
         self._added_text = {int(t["id"]): str(t["content"]) for t in added if not t.get("special")}
-        self._n_vocab = n_vocab or self._tok.get_vocab_size(with_added_tokens=True)
         self._eos = frozenset(int(t) for t in eos_token_ids)
-        self._bos_token = bos_token
-        self._eos_token = eos_token
-        self._chat_template = chat_template
-        self._pieces: dict[int, bytes] = {}
-
-    @property
-    def n_vocab(self) -> int:
-        return self._n_vocab
-
-    @property
-    def bos_token(self) -> str | None:
-        return self._bos_token
-
-    @property
-    def eos_token(self) -> str | None:
-        return self._eos_token
-
-    @property
-    def chat_template(self) -> str | None:
-        return self._chat_template
+        super().__init__(
+            n_vocab=n_vocab or self._tok.get_vocab_size(with_added_tokens=True),
+            bos_token=bos_token,
+            eos_token=eos_token,
+            chat_template=chat_template,
+        )
 
     def encode(self, text: str, *, add_special: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special).ids)
 
-    def token_bytes(self, token_id: int) -> bytes:
-        piece = self._pieces.get(token_id)
-        if piece is None:
-            piece = self._piece(token_id)
-            self._pieces[token_id] = piece
-        return piece
-
     def _piece(self, token_id: int) -> bytes:
-        if not 0 <= token_id < self._n_vocab:
-            raise InvalidRequestError(f"token id {token_id} is outside the vocabulary")
         if token_id in self._special:
             return b""
         if token_id in self._added_text:
