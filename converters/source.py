@@ -91,7 +91,8 @@ def checkpoint_from_gguf(gguf: Path, out: Path) -> SourceCheckpoint:
         ) from exc
     _apply_gguf_tokenizer_settings(tokenizer, header.metadata)
     out.mkdir(parents=True, exist_ok=True)
-    model.generation_config.eos_token_id = _eos_ids(tokenizer, header.metadata)
+    if model.generation_config is not None:
+        model.generation_config.eos_token_id = _eos_ids(tokenizer, header.metadata)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return SourceCheckpoint(out, "gguf", gguf, file_sha256([gguf]))

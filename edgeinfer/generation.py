@@ -146,12 +146,13 @@ def run(
     backend: Backend,
     history: KVHistory,
     prompt: Sequence[int],
-    config: SamplingConfig,
+    sampler: Sampler,
     cancel: threading.Event,
 ) -> Iterator[Chunk]:
-    """The generation loop (a generator of Chunks); the caller holds the model's lock."""
+    """The generation loop (a generator of Chunks) for a request ``check_request`` accepted;
+    the caller holds the model's lock."""
     tokenizer = backend.tokenizer
-    sampler = check_request(backend, prompt, config)
+    config = sampler.config
     detok = IncrementalDetokenizer(tokenizer.token_bytes, config.stop)
     t_start = time.perf_counter()
     reused = history.reuse(backend, prompt)

@@ -11,7 +11,7 @@ from . import generation
 from .chat_template import render_chat
 from .errors import EdgeInferError, InvalidRequestError
 from .generation import Chunk, GenerationResult, KVHistory, TokenStream
-from .sampling import SamplingConfig
+from .sampling import Sampler, SamplingConfig
 
 if TYPE_CHECKING:
     from .runtimes.base import Backend
@@ -52,9 +52,9 @@ class Model:
         """Generate a completion of ``prompt`` as a stream of Chunks of complete text."""
         cfg = SamplingConfig.from_kwargs(config, **sampling)
         ids = self._prompt_ids(prompt)
-        generation.check_request(self._backend, ids, cfg)  # raise here, not at first next()
+        sampler = generation.check_request(self._backend, ids, cfg)  # raises now, not at next()
         cancel = threading.Event()
-        return TokenStream(self._locked(ids, cfg, cancel), cancel)
+        return TokenStream(self._locked(ids, sampler, cancel), cancel)
 
     @overload
     def chat(
@@ -176,10 +176,8 @@ class Model:
             )
         return ids
 
-    def _locked(
-        self, ids: list[int], cfg: SamplingConfig, cancel: threading.Event
-    ) -> Iterator[Chunk]:
+    def _locked(self, ids: list[int], sampler: Sampler, cancel: threading.Event) -> Iterator[Chunk]:
         """Serve one request under the model's lock (taken when iteration starts)."""
         with self._lock:
             self._require_open()
-            yield from generation.run(self._backend, self._history, ids, cfg, cancel)
+            yield from generation.run(self._backend, self._history, ids, sampler, cancel)
