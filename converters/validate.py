@@ -47,10 +47,14 @@ def validate_conversion(
     import torch
     from transformers import AutoModelForCausalLM
 
+    from edgeinfer.inventory import devices
+    from edgeinfer.policy import plan_providers
     from edgeinfer.runtimes.onnxruntime import open_backend
 
     reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    backend = open_backend(folder, LoadConfig(context_length=256, threads=cfg.threads), manifest)
+    cpu = plan_providers(devices(), "onnx", "cpu").candidates[0]  # validation runs on the CPU
+    config = LoadConfig(context_length=256, threads=cfg.threads)
+    backend = open_backend(folder, config, manifest, cpu)
     model = Model(backend, name=folder.name, path=folder, model_format="onnx")
     try:
         rows = [_compare(reference, model, p, cfg.validation_tokens) for p in VALIDATION_PROMPTS]

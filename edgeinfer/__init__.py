@@ -23,8 +23,10 @@ from .errors import (
     ModelLoadError,
 )
 from .generation import Chunk, GenerationResult, GenerationStats, TokenStream
+from .inventory import DeviceInventory, devices
 from .loader import load
 from .model import Model
+from .policy import ProviderPlan, plan_providers
 from .sampling import SamplingConfig
 
 __version__ = "0.1.0"
@@ -34,6 +36,7 @@ __all__ = [
     "ChatTemplateError",
     "Chunk",
     "ConversionError",
+    "DeviceInventory",
     "EdgeInferError",
     "GenerationResult",
     "GenerationStats",
@@ -43,8 +46,11 @@ __all__ = [
     "Model",
     "ModelFetchError",
     "ModelLoadError",
+    "ProviderPlan",
     "SamplingConfig",
     "TokenStream",
     "__version__",
+    "devices",
     "load",
+    "plan_providers",
 ]

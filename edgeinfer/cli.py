@@ -1,4 +1,7 @@
-"""The ``edgeinfer`` command: run, chat, models. Every EdgeInferError -> one line, exit 1."""
+"""The ``edgeinfer`` command: run, chat, models, devices, convert.
+
+Every EdgeInferError becomes one line on stderr and exit status 1.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from . import __version__, catalog
+from . import __version__, catalog, devices_cli
 from .errors import EdgeInferError, InvalidRequestError
 
 logger = logging.getLogger("edgeinfer")
@@ -22,7 +25,17 @@ EXIT_INTERRUPTED = 130
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | metal (default: auto)")
+    g.add_argument(
+        "--device",
+        default="auto",
+        help="auto | cpu | cuda | metal | npu | gpu | directml | an ONNX Runtime provider "
+        "name (default: auto; 'edgeinfer devices MODEL' shows the plan)",
+    )
+    g.add_argument(
+        "--allow-fallback",
+        action="store_true",
+        help="run on the CPU when --device is not available instead of failing",
+    )
     g.add_argument(
         "--context-length",
         type=int,
@@ -97,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(chat)
 
     _add_convert_parser(sub)
+    devices_cli.add_parser(sub)
 
     models = sub.add_parser("models", help="list, fetch or locate catalog models")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
@@ -176,7 +190,11 @@ def load_model(args: argparse.Namespace) -> Any:
     from .loader import load
 
     return load(
-        args.model, device=args.device, context_length=args.context_length, threads=args.threads
+        args.model,
+        device=args.device,
+        allow_fallback=args.allow_fallback,
+        context_length=args.context_length,
+        threads=args.threads,
     )
 
 
@@ -282,7 +300,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(args)
     from .chat_cli import cmd_chat
 
-    commands = {"run": cmd_run, "chat": cmd_chat, "models": cmd_models, "convert": cmd_convert}
+    commands = {
+        "run": cmd_run,
+        "chat": cmd_chat,
+        "models": cmd_models,
+        "convert": cmd_convert,
+        "devices": devices_cli.cmd_devices,
+    }
     try:
         return commands[args.command](args)
     except EdgeInferError as exc:

@@ -15,10 +15,12 @@ from typing import Any
 
 from . import catalog
 from .config import LoadConfig
-from .errors import ModelLoadError
+from .errors import InvalidRequestError, ModelLoadError
 from .gguf_file import GGUF_MAGIC, read_gguf_header
+from .inventory import devices
 from .manifest import MANIFEST_NAME, PARTIAL_MARKER, Manifest
 from .model import Model
+from .policy import plan_providers
 
 __all__ = ["ModelSource", "load", "resolve"]
 
@@ -42,14 +44,23 @@ def load(
     context_length: int | None = None,
     threads: int | None = None,
     flash_attention: bool = False,
+    allow_fallback: bool = False,
 ) -> Model:
     """Open a model for generation.
 
     ``model`` is a catalog name (fetched into $EDGEINFER_HOME the first time), a ``.gguf``
-    file, or a folder holding one model. ``context_length=None`` uses the model's trained
-    context, capped at 8192 tokens. ``flash_attention=True`` trades bit-exact agreement with
-    llama.cpp's defaults for speed on GGUF models.
+    file, or a folder holding one model. ``device`` is "auto" (the best provider this machine
+    has, falling back to the CPU), "cpu", "cuda", "metal", "npu", "gpu", "directml" or an ONNX
+    Runtime provider name; a device the machine cannot provide raises
+    ``BackendUnavailableError`` unless ``allow_fallback=True``. ``model.info["fallback_chain"]``
+    says what was chosen and why. ``context_length=None`` uses the model's trained context,
+    capped at 8192 tokens. ``flash_attention=True`` trades bit-exact agreement with llama.cpp's
+    defaults for speed on GGUF models.
     """
+    if not isinstance(allow_fallback, bool):
+        raise InvalidRequestError(
+            f"allow_fallback={allow_fallback!r} is invalid: expected True or False"
+        )
     config = LoadConfig(
         device=device,
         context_length=context_length,
@@ -57,10 +68,17 @@ def load(
         flash_attention=flash_attention,
     )
     source = resolve(model)
+    plan = plan_providers(devices(), source.format, device, allow_fallback=allow_fallback)
     from .runtimes import open_backend
 
-    backend = open_backend(source, config)
-    return Model(backend, name=source.name, path=source.path, model_format=source.format)
+    backend, chain = open_backend(source, config, plan)
+    return Model(
+        backend,
+        name=source.name,
+        path=source.path,
+        model_format=source.format,
+        provider_chain=chain,
+    )
 
 
 def resolve(model: str | PathLike[str]) -> ModelSource:

@@ -28,8 +28,17 @@ class Model:
     Use ``edgeinfer.load(...)`` to make one, and ``close()`` (or ``with``) to free it.
     """
 
-    def __init__(self, backend: Backend, *, name: str, path: Path, model_format: str) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        name: str,
+        path: Path,
+        model_format: str,
+        provider_chain: Sequence[Mapping[str, Any]] = (),
+    ) -> None:
         self._backend = backend
+        self._chain = [dict(entry) for entry in provider_chain]
         self._tokenizer = backend.tokenizer
         self._name = name
         self._path = path
@@ -116,7 +125,9 @@ class Model:
 
     @property
     def info(self) -> dict[str, Any]:
-        """Format, backend, provider, device, context length, KV cache size, threads."""
+        """Format, backend, provider, device, context length, KV cache size, threads, and the
+        provider chain: each candidate tried (``chosen`` / ``failed`` with its error) and each
+        left out (``unavailable``), with reasons."""
         backend = self._backend
         return {
             "name": self._name,
@@ -126,6 +137,7 @@ class Model:
             "context_length": backend.n_ctx,
             "kv_cache_bytes": backend.kv_nbytes,
             "vocab_size": self._tokenizer.n_vocab,
+            "fallback_chain": [dict(entry) for entry in self._chain],
         }
 
     @property

@@ -24,6 +24,7 @@ from edgeinfer.errors import (
     ModelLoadError,
 )
 from edgeinfer.gguf_file import GGUFHeader
+from edgeinfer.policy import Candidate
 
 from .base import TokenizerBase, check_fits
 
@@ -34,7 +35,6 @@ _engine_log = logging.getLogger(__name__ + ".engine")
 
 _MAX_BATCH = 512  # tokens per llama_decode call during prefill
 _KV_ELEMENT_BYTES = 2  # llama.cpp's default KV cache type is f16
-_GPU_DEVICES = frozenset({"cuda", "metal", "gpu", "vulkan"})
 
 
 def _forward_engine_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
@@ -58,8 +58,10 @@ def _engine() -> tuple[Any, Any]:
     return llama_cpp, callback  # the callback object must stay alive
 
 
-def open_backend(path: Path, config: LoadConfig, header: GGUFHeader) -> LlamaCppBackend:
-    return LlamaCppBackend(path, config, header)
+def open_backend(
+    path: Path, config: LoadConfig, header: GGUFHeader, candidate: Candidate
+) -> LlamaCppBackend:
+    return LlamaCppBackend(path, config, header, candidate)
 
 
 class LlamaCppTokenizer(TokenizerBase):
@@ -118,7 +120,9 @@ class LlamaCppTokenizer(TokenizerBase):
 class LlamaCppBackend:
     """One llama.cpp model and context; a single sequence whose KV cache holds n_ctx tokens."""
 
-    def __init__(self, path: Path, config: LoadConfig, header: GGUFHeader) -> None:
+    def __init__(
+        self, path: Path, config: LoadConfig, header: GGUFHeader, candidate: Candidate
+    ) -> None:
         llama, _ = _engine()
         self._llama = llama
         self._model: Any = None
@@ -126,8 +130,10 @@ class LlamaCppBackend:
         self._batch: Any = None
         self._n_past = 0
         self._logits_view: tuple[int, np.ndarray] | None = None
-        n_gpu_layers = _gpu_layers(llama, config.device)
-        self._model = self._load_model(path, n_gpu_layers)
+        n_gpu_layers = int(candidate.options.get("n_gpu_layers", 0))
+        self._model = self._load_model(
+            path, n_gpu_layers, int(candidate.options.get("main_gpu", 0)), candidate.provider
+        )
         try:
             self._n_ctx = config.context_for(int(llama.llama_model_n_ctx_train(self._model)))
             self._threads = config.resolved_threads
@@ -147,8 +153,8 @@ class LlamaCppBackend:
         self._info = {
             "backend": "llama.cpp",
             "engine_version": getattr(llama, "__version__", "unknown"),
-            "provider": "llama.cpp GPU offload" if n_gpu_layers else "llama.cpp CPU",
-            "device": "gpu" if n_gpu_layers else "cpu",
+            "provider": candidate.provider,
+            "device": candidate.device,
             "n_gpu_layers": n_gpu_layers,
             "threads": self._threads,
             "batch_size": self._n_batch,
@@ -156,10 +162,16 @@ class LlamaCppBackend:
         }
         logger.debug("llama.cpp context ready: n_ctx=%d threads=%d", self._n_ctx, self._threads)
 
-    def _load_model(self, path: Path, n_gpu_layers: int) -> Any:
+    def _load_model(self, path: Path, n_gpu_layers: int, main_gpu: int, provider: str) -> Any:
         params = self._llama.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        params.main_gpu = main_gpu
         model = self._llama.llama_model_load_from_file(str(path).encode(), params)
+        if not model and n_gpu_layers:
+            raise BackendUnavailableError(
+                f"{provider}: llama.cpp could not load {path.name} with its layers on the GPU "
+                "(out of GPU memory, or a driver problem; run with --debug for the engine's log)"
+            )
         if not model:
             raise ModelLoadError(
                 f"llama.cpp could not load {path}: unsupported architecture or corrupt tensors "
@@ -278,28 +290,6 @@ class LlamaCppBackend:
             self.close()
         except Exception:  # interpreter shutdown: the bindings may already be gone
             pass
-
-
-def _gpu_layers(llama: Any, device: str) -> int:
-    """Layers to offload: all when a GPU is asked for (or available under "auto"), else 0."""
-    name = device.lower()
-    offload = bool(llama.llama_supports_gpu_offload())
-    if name == "cpu":
-        return 0
-    if name == "auto":
-        return -1 if offload else 0
-    if name in _GPU_DEVICES:
-        if not offload:
-            raise BackendUnavailableError(
-                f"device={device!r}: this llama-cpp-python build has no GPU offload; reinstall "
-                "it with GPU support, e.g. CMAKE_ARGS='-DGGML_CUDA=on' (CUDA) or "
-                "'-DGGML_METAL=on' (Apple) pip install --force-reinstall llama-cpp-python"
-            )
-        return -1
-    raise BackendUnavailableError(
-        f"device={device!r} is not available for GGUF models; use 'auto', 'cpu' or a GPU "
-        "('cuda', 'metal')"
-    )
 
 
 def _kv_cache_bytes(header: GGUFHeader, n_ctx: int) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from edgeinfer.catalog import edgeinfer_home
 from edgeinfer.config import LoadConfig
 from edgeinfer.errors import (
     BackendUnavailableError,
@@ -24,6 +25,7 @@ from edgeinfer.errors import (
     ModelLoadError,
 )
 from edgeinfer.manifest import Manifest
+from edgeinfer.policy import CPU_PROVIDER, Candidate
 
 from .base import check_fits
 from .tokenizer_json import JsonTokenizer
@@ -34,12 +36,8 @@ logger = logging.getLogger(__name__)
 
 _PREFILL_CHUNK = 256  # tokens per run during prefill: bounds the [chunk, vocab] logits buffer
 _KV_BYTES = {"float32": 4, "float16": 2}
-_DEVICE_PROVIDERS = {
-    "cuda": "CUDAExecutionProvider",
-    "gpu": "CUDAExecutionProvider",
-    "metal": "CoreMLExecutionProvider",
-    "npu": "QNNExecutionProvider",
-}
+_DML = "DmlExecutionProvider"
+_TRT = "TensorrtExecutionProvider"
 
 
 def _import_ort() -> Any:
@@ -52,39 +50,22 @@ def _import_ort() -> Any:
     return onnxruntime
 
 
-def open_backend(folder: Path, config: LoadConfig, manifest: Manifest) -> OrtBackend:
-    return OrtBackend(folder, config, manifest)
-
-
-def _providers(device: str, available: Sequence[str]) -> list[str]:
-    """Providers for ``device``, CPU last; a provider that is not installed is an error."""
-    name = device.lower()
-    if name in ("auto", "cpu"):
-        return ["CPUExecutionProvider"]
-    wanted = _DEVICE_PROVIDERS.get(name, device)
-    if not wanted.endswith("ExecutionProvider"):
-        raise BackendUnavailableError(
-            f"device={device!r} is not known; use auto, cpu, cuda, metal, npu or an ONNX "
-            "Runtime provider name"
-        )
-    if wanted not in available:
-        raise BackendUnavailableError(
-            f"device={device!r} needs {wanted}, which this onnxruntime does not have "
-            f"(it has {', '.join(available)}); install the onnxruntime package built for it, "
-            "e.g. onnxruntime-gpu for CUDA"
-        )
-    return [wanted, "CPUExecutionProvider"]
+def open_backend(
+    folder: Path, config: LoadConfig, manifest: Manifest, candidate: Candidate
+) -> OrtBackend:
+    return OrtBackend(folder, config, manifest, candidate)
 
 
 class OrtBackend:
-    def __init__(self, folder: Path, config: LoadConfig, manifest: Manifest) -> None:
+    def __init__(
+        self, folder: Path, config: LoadConfig, manifest: Manifest, candidate: Candidate
+    ) -> None:
         ort = _import_ort()
         self._ort = ort
         arch = manifest.architecture
         self._arch = arch
         self._threads = config.resolved_threads
-        providers = _providers(config.device, ort.get_available_providers())
-        self._session = self._open_session(folder / manifest.model_file, providers)
+        self._session = self._open_session(folder / manifest.model_file, candidate)
         self._n_ctx = config.context_for(arch.max_context)
         self._has_position_ids = any(i.name == "position_ids" for i in self._session.get_inputs())
         self._kv_type = np.float16 if arch.kv_dtype == "float16" else np.float32
@@ -111,28 +92,51 @@ class OrtBackend:
         self._info = {
             "backend": "onnxruntime",
             "engine_version": ort.__version__,
-            "provider": self._session.get_providers()[0],
-            "device": "cpu"
-            if self._session.get_providers()[0] == "CPUExecutionProvider"
-            else config.device,
+            "provider": candidate.provider,
+            "device": candidate.device,
             "threads": self._threads,
             "quantization": manifest.quantization.get("method", "unknown"),
         }
 
-    def _open_session(self, path: Path, providers: list[str]) -> Any:
+    def _open_session(self, path: Path, candidate: Candidate) -> Any:
         ort = self._ort
         options = ort.SessionOptions()
         options.intra_op_num_threads = self._threads
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.log_severity_level = 3
+        # onnxruntime's own log (stderr) only when edgeinfer's is at DEBUG: --debug.
+        options.log_severity_level = 1 if logger.isEnabledFor(logging.DEBUG) else 3
         if not path.is_file():
             raise ModelLoadError(f"{path} is missing; the model folder is incomplete")
+        provider = candidate.provider
+        provider_options = dict(candidate.options)
+        if provider == _DML:
+            options.enable_mem_pattern = False  # DirectML requires it off
+        if provider == _TRT and "trt_engine_cache_path" not in provider_options:
+            cache = edgeinfer_home() / "cache" / "tensorrt"
+            cache.mkdir(parents=True, exist_ok=True)
+            provider_options["trt_engine_cache_path"] = str(cache)
+        providers: list[Any] = [(provider, provider_options)]
+        if provider != CPU_PROVIDER:
+            providers.append(CPU_PROVIDER)  # for the nodes the accelerator does not take
         try:
-            return ort.InferenceSession(str(path), options, providers=providers)
+            session = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as exc:  # onnxruntime raises its own exception types (Fail, ...)
+            if provider != CPU_PROVIDER:
+                raise BackendUnavailableError(
+                    f"{provider} could not create a session for {path.name}: {exc}"
+                ) from exc
             raise ModelLoadError(f"onnxruntime could not load {path}: {exc}") from exc
+        enabled = session.get_providers()
+        if enabled[0] != provider:
+            # onnxruntime drops a provider whose libraries fail to load and runs on the CPU
+            # with only a warning; report it so the plan's next candidate is tried instead.
+            raise BackendUnavailableError(
+                f"onnxruntime did not enable {provider} (enabled: {', '.join(enabled)}); its "
+                "libraries or drivers failed to load — run with --debug for onnxruntime's log"
+            )
+        return session
 
     def _check_graph(self) -> None:
         inputs = {i.name for i in self._session.get_inputs()}

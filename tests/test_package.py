@@ -13,6 +13,7 @@ EXPECTED_ALL = {
     "ChatTemplateError",
     "Chunk",
     "ConversionError",
+    "DeviceInventory",
     "EdgeInferError",
     "GenerationResult",
     "GenerationStats",
@@ -22,10 +23,13 @@ EXPECTED_ALL = {
     "Model",
     "ModelFetchError",
     "ModelLoadError",
+    "ProviderPlan",
     "SamplingConfig",
     "TokenStream",
     "__version__",
+    "devices",
     "load",
+    "plan_providers",
 }
 
 

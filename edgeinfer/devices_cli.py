@@ -1,0 +1,110 @@
+"""``edgeinfer devices [MODEL]``: what this machine has and, for a model, which provider runs it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .errors import InvalidRequestError
+from .inventory import DeviceInventory, RecordedProbe, build_inventory, devices
+from .policy import plan_providers
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "devices",
+        help="show this machine's CPU, memory and accelerators, and the plan for a model",
+        description="Print what edgeinfer sees on this machine: CPU and its features, memory, "
+        "GPUs and NPUs, onnxruntime's providers and llama.cpp's GPU offload. Given MODEL, also "
+        "print the providers load() would try for it, in order, with the reason for each.",
+    )
+    p.add_argument(
+        "model", metavar="MODEL", nargs="?", help="catalog name, .gguf file or model folder"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead")
+    p.add_argument(
+        "--device", default="auto", help="the device preference to plan for (default: auto)"
+    )
+    p.add_argument(
+        "--allow-fallback",
+        action="store_true",
+        help="plan a CPU fallback when the device preference cannot be met",
+    )
+    p.add_argument(
+        "--inventory",
+        metavar="FILE",
+        type=Path,
+        help="plan for a recorded machine (JSON facts, as in tests/data/machines) instead",
+    )
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    inventory = _recorded(args.inventory) if args.inventory else devices()
+    plan = None
+    source_text = ""
+    if args.model:
+        from .loader import resolve
+
+        source = resolve(args.model)
+        source_text = f"{source.name} ({source.format})"
+        plan = plan_providers(
+            inventory, source.format, args.device, allow_fallback=args.allow_fallback
+        )
+    if args.json:
+        out: dict[str, Any] = {"inventory": inventory.to_dict()}
+        if plan is not None:
+            out["model"] = args.model
+            out["plan"] = plan.to_dict()
+        json.dump(out, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    for label, value in _rows(inventory):
+        print(f"{label:<12} {value}")
+    if plan is not None:
+        print(f"\nplan for {source_text}, device={args.device}:")
+        for line in plan.describe():
+            print(f"  {line}")
+    return 0
+
+
+def _recorded(path: Path) -> DeviceInventory:
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        return build_inventory(RecordedProbe(record))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InvalidRequestError(f"--inventory {path}: not a recorded machine ({exc})") from exc
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def _rows(inv: DeviceInventory) -> list[tuple[str, str]]:
+    gpus = ", ".join(
+        g.name + (f" ({_gib(g.memory_bytes)})" if g.memory_bytes else "") for g in inv.gpus
+    )
+    llama = "not installed"
+    if inv.llama_cpp_version is not None:
+        names = ", ".join(d.name for d in inv.llama_devices) or "?"
+        offload = "yes" if inv.llama_gpu_offload else "no"
+        llama = f"{inv.llama_cpp_version}, GPU offload {offload}; devices: {names}"
+    ort = "not installed"
+    if inv.onnxruntime_version is not None:
+        ort = f"{inv.onnxruntime_version}: {', '.join(inv.ort_providers)}"
+    rows = [
+        ("system", f"{inv.os} {inv.os_release} {inv.arch} ({inv.platform})"),
+        ("board", inv.board or "-"),
+        ("cpu", f"{inv.cpu_model}, {inv.physical_cores} cores / {inv.logical_cores} threads"),
+        ("features", " ".join(inv.cpu_features) or "-"),
+        ("memory", f"{_gib(inv.total_ram)} total, {_gib(inv.available_ram)} available"),
+        ("gpus", gpus or "none found"),
+        ("npus", ", ".join(n.name for n in inv.npus) or "none found"),
+        ("onnxruntime", ort),
+        ("llama.cpp", llama),
+    ]
+    if inv.openvino_devices:
+        rows.append(("openvino", ", ".join(inv.openvino_devices)))
+    return rows
