@@ -40,9 +40,23 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         "--context-length",
         type=int,
         metavar="N",
-        help="tokens the KV cache holds (default: the model's, at most 8192)",
+        help="tokens the KV cache holds (default: the largest that fits the memory budget, "
+        "at most the model's trained context)",
     )
     g.add_argument("--threads", type=int, metavar="N", help="compute threads (default: cores)")
+    g.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        help="most memory the process may use, e.g. 512MB or 1.5GiB (default: what it uses "
+        "now plus half of the available RAM); the context is sized to fit",
+    )
+    g.add_argument(
+        "--context-overflow",
+        choices=("stop", "slide"),
+        default="stop",
+        help="when a reply fills the context: stop (default) or slide (keep the system "
+        "prompt and the newer half of the conversation)",
+    )
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -193,6 +207,8 @@ def load_model(args: argparse.Namespace) -> Any:
         args.model,
         device=args.device,
         allow_fallback=args.allow_fallback,
+        memory_budget=args.memory_budget,
+        context_overflow=args.context_overflow,
         context_length=args.context_length,
         threads=args.threads,
     )

@@ -25,6 +25,8 @@ class LoadConfig:
     # Flash attention in llama.cpp: faster on CPU here (decode ~+15%), but its sums differ in
     # the last bits, so greedy output can differ from llama.cpp's default (off) at near-ties.
     flash_attention: bool = False
+    # Prefill batch (llama.cpp n_batch/n_ubatch; ONNX prefill chunk), set by the memory plan.
+    batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not self.device:

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, MemoryBudgetError
 from .inventory import DeviceInventory, RecordedProbe, build_inventory, devices
+from .memory import FRESH_PROCESS_BYTES, MemoryPlan, plan_memory, shape_of
 from .policy import plan_providers
 
 
@@ -34,6 +35,10 @@ def add_parser(sub: Any) -> None:
         help="plan a CPU fallback when the device preference cannot be met",
     )
     p.add_argument(
+        "--memory-budget", metavar="SIZE", help="plan memory for this budget (e.g. 512MB)"
+    )
+    p.add_argument("--context-length", type=int, metavar="N", help="plan for this context")
+    p.add_argument(
         "--inventory",
         metavar="FILE",
         type=Path,
@@ -53,11 +58,15 @@ def cmd_devices(args: argparse.Namespace) -> int:
         plan = plan_providers(
             inventory, source.format, args.device, allow_fallback=args.allow_fallback
         )
+        memory, memory_error = _memory(source, inventory, args)
     if args.json:
         out: dict[str, Any] = {"inventory": inventory.to_dict()}
         if plan is not None:
             out["model"] = args.model
             out["plan"] = plan.to_dict()
+            out["memory_plan"] = memory.to_dict() if memory else None
+            if memory_error:
+                out["memory_error"] = memory_error
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -67,7 +76,31 @@ def cmd_devices(args: argparse.Namespace) -> int:
         print(f"\nplan for {source_text}, device={args.device}:")
         for line in plan.describe():
             print(f"  {line}")
+        print("\nmemory plan:")
+        if memory is not None:
+            print(f"  context {memory.context_length} tokens, batch {memory.batch_size}")
+            print(f"  {memory.describe()}")
+        else:
+            print(f"  does not fit: {memory_error}")
     return 0
+
+
+def _memory(
+    source: Any, inventory: DeviceInventory, args: argparse.Namespace
+) -> tuple[MemoryPlan | None, str | None]:
+    shape = shape_of(source)
+    kwargs: dict[str, Any] = {}
+    if args.inventory:  # another machine: a fresh process there, its available RAM
+        kwargs = dict(
+            available=inventory.available_ram, process=FRESH_PROCESS_BYTES, engine_loaded=False
+        )
+    try:
+        plan = plan_memory(
+            shape, budget=args.memory_budget, context_length=args.context_length, **kwargs
+        )
+    except MemoryBudgetError as exc:
+        return None, str(exc)
+    return plan, None
 
 
 def _recorded(path: Path) -> DeviceInventory:

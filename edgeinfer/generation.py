@@ -13,8 +13,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
+
 from .detokenizer import IncrementalDetokenizer
 from .errors import InvalidRequestError
+from .memory import peak_rss
 from .sampling import Sampler, SamplingConfig
 
 if TYPE_CHECKING:
@@ -36,6 +39,7 @@ class GenerationStats:
     prefill_tokens_per_s: float  # prefilled (non-reused) prompt tokens / prefill time
     decode_tokens_per_s: float  # (n - 1) / (t_last - t_first); 0.0 when n < 2
     total_s: float
+    peak_rss_bytes: int = 0  # the process's peak resident set so far (VmHWM); 0 if unknown
 
 
 @dataclass(frozen=True)
@@ -142,15 +146,34 @@ def check_request(backend: Backend, prompt: Sequence[int], config: SamplingConfi
     return Sampler(config, backend.tokenizer.n_vocab)
 
 
+def _slide(backend: Backend, history: KVHistory, token: int, keep: int) -> np.ndarray:
+    """Make room in a full cache: keep the first ``keep`` tokens and the newer half of the
+    rest, read them again after ``keep``, then ``token``; return ``token``'s logits."""
+    window = history.tokens
+    keep = min(keep, backend.n_ctx // 2)
+    recent = window[keep:][-((backend.n_ctx - keep) // 2) :]
+    backend.rewind(keep)
+    history.tokens = window[:keep]
+    logits = backend.prefill([*recent, token])
+    history.tokens += [*recent, token]
+    return logits
+
+
 def run(
     backend: Backend,
     history: KVHistory,
     prompt: Sequence[int],
     sampler: Sampler,
     cancel: threading.Event,
+    slide_keep: int | None = None,
 ) -> Iterator[Chunk]:
     """The generation loop (a generator of Chunks) for a request ``check_request`` accepted;
-    the caller holds the model's lock."""
+    the caller holds the model's lock.
+
+    When the context fills up, generation ends with ``finish_reason="length"``; with
+    ``slide_keep`` set it slides instead: the first ``slide_keep`` tokens (the system prompt)
+    stay, the older half of the rest is dropped, and the kept recent tokens are read again at
+    their new positions."""
     tokenizer = backend.tokenizer
     config = sampler.config
     detok = IncrementalDetokenizer(tokenizer.token_bytes, config.stop)
@@ -176,10 +199,11 @@ def run(
         context.append(token)
         unsent.append(token)
         text = detok.push(token)
+        full = len(history.tokens) + 1 >= backend.n_ctx  # no room after this token
         if (
             detok.stopped
             or len(generated) >= config.max_new_tokens
-            or (len(prompt) + len(generated) >= backend.n_ctx)
+            or (full and slide_keep is None)
         ):
             finish = "stop" if detok.stopped else "length"
             tail = text
@@ -187,6 +211,9 @@ def run(
         if text:
             yield Chunk(text, tuple(unsent))
             unsent.clear()
+        if full and slide_keep is not None:
+            logits = _slide(backend, history, token, slide_keep)
+            continue
         logits = backend.decode(token)
         history.tokens.append(token)
     tail += detok.finish()
@@ -199,5 +226,6 @@ def run(
         prefill_tokens_per_s=(len(prompt) - reused) / max(t_first - t_start, 1e-9),
         decode_tokens_per_s=(n - 1) / (t_last - t_first) if n > 1 and t_last > t_first else 0.0,
         total_s=time.perf_counter() - t_start,
+        peak_rss_bytes=peak_rss(),
     )
     yield Chunk(tail, tuple(unsent), finish, stats)

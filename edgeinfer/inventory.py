@@ -21,7 +21,7 @@ import os
 import platform
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -128,9 +128,9 @@ class DeviceInventory:
     cpu_features: tuple[str, ...]
     total_ram: int
     available_ram: int
-    onnxruntime_version: str | None = None  # None: onnxruntime is not installed
+    onnxruntime_version: str | None = None  # None: not installed (or not asked for)
     ort_providers: tuple[str, ...] = ()
-    llama_cpp_version: str | None = None  # None: llama-cpp-python is not installed
+    llama_cpp_version: str | None = None  # None: not installed (or not asked for)
     llama_gpu_offload: bool = False
     llama_devices: tuple[Accelerator, ...] = ()
     gpus: tuple[Accelerator, ...] = ()
@@ -335,16 +335,29 @@ class RecordedProbe:
         return None if value is None else list(value)
 
 
+ENGINES = ("onnxruntime", "llama_cpp")
+
+
+def devices(engines: Iterable[str] = ENGINES) -> DeviceInventory:
+    """This machine's inventory, read once per process.
+
+    ``engines`` limits which engines are asked for their devices (``load()`` asks only the
+    one its model needs: importing onnxruntime costs ~20 MB that a GGUF model does not need);
+    an engine not asked for reads as not installed.
+    """
+    return _read(frozenset(engines))
+
+
 @functools.cache
-def devices() -> DeviceInventory:
-    """This machine's inventory, read once per process."""
-    inventory = build_inventory(MachineProbe())
+def _read(engines: frozenset[str]) -> DeviceInventory:
+    inventory = build_inventory(MachineProbe(), engines=engines)
     logger.debug("device inventory: %s", inventory)
     return inventory
 
 
-def build_inventory(probe: Probe) -> DeviceInventory:
+def build_inventory(probe: Probe, *, engines: Iterable[str] = ENGINES) -> DeviceInventory:
     """Turn a probe's raw facts into a ``DeviceInventory``."""
+    engines = frozenset(engines)
     system = probe.system().lower()
     arch = _normalise_arch(probe.machine())
     total, available = probe.memory()
@@ -357,8 +370,8 @@ def build_inventory(probe: Probe) -> DeviceInventory:
         if release:
             board = f"{board or 'NVIDIA Jetson'} (L4T {release})"
 
-    ort = probe.onnxruntime()
-    llama = probe.llama_cpp()
+    ort = probe.onnxruntime() if "onnxruntime" in engines else None
+    llama = probe.llama_cpp() if "llama_cpp" in engines else None
     openvino = probe.openvino_devices() if ort and "OpenVINOExecutionProvider" in ort[1] else None
     gpus = _gpus(probe, platform_name, cpu_model, total)
     npus = _npus(probe, platform_name, cpu_model, openvino or [])

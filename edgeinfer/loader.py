@@ -7,6 +7,7 @@ and imported only then.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from os import PathLike
@@ -19,6 +20,7 @@ from .errors import InvalidRequestError, ModelLoadError
 from .gguf_file import GGUF_MAGIC, read_gguf_header
 from .inventory import devices
 from .manifest import MANIFEST_NAME, PARTIAL_MARKER, Manifest
+from .memory import plan_memory, shape_of
 from .model import Model
 from .policy import plan_providers
 
@@ -41,10 +43,12 @@ def load(
     model: str | PathLike[str],
     *,
     device: str = "auto",
+    memory_budget: int | str | None = None,
     context_length: int | None = None,
     threads: int | None = None,
     flash_attention: bool = False,
     allow_fallback: bool = False,
+    context_overflow: str = "stop",
 ) -> Model:
     """Open a model for generation.
 
@@ -53,10 +57,22 @@ def load(
     has, falling back to the CPU), "cpu", "cuda", "metal", "npu", "gpu", "directml" or an ONNX
     Runtime provider name; a device the machine cannot provide raises
     ``BackendUnavailableError`` unless ``allow_fallback=True``. ``model.info["fallback_chain"]``
-    says what was chosen and why. ``context_length=None`` uses the model's trained context,
-    capped at 8192 tokens. ``flash_attention=True`` trades bit-exact agreement with llama.cpp's
-    defaults for speed on GGUF models.
+    says what was chosen and why.
+
+    Memory is planned before anything is allocated (``model.info["memory_plan"]``):
+    ``memory_budget`` (bytes or "512MB", "1.5GiB"; default: what the process uses now plus
+    half of the RAM available now) bounds the process's peak resident memory.
+    ``context_length=None`` takes the largest context that fits, capped by the model's
+    trained context; a context or budget that cannot fit raises ``MemoryBudgetError`` with the
+    numbers. When a reply fills the context it ends with ``finish_reason="length"``;
+    ``context_overflow="slide"`` keeps the system prompt and the newer half of the
+    conversation instead, and goes on. ``flash_attention=True`` trades bit-exact agreement
+    with llama.cpp's defaults for speed on GGUF models.
     """
+    if context_overflow not in ("stop", "slide"):
+        raise InvalidRequestError(
+            f"context_overflow={context_overflow!r} is invalid: expected 'stop' or 'slide'"
+        )
     if not isinstance(allow_fallback, bool):
         raise InvalidRequestError(
             f"allow_fallback={allow_fallback!r} is invalid: expected True or False"
@@ -68,7 +84,15 @@ def load(
         flash_attention=flash_attention,
     )
     source = resolve(model)
-    plan = plan_providers(devices(), source.format, device, allow_fallback=allow_fallback)
+    memory = plan_memory(shape_of(source), budget=memory_budget, context_length=context_length)
+    config = dataclasses.replace(
+        config, context_length=memory.context_length, batch_size=memory.batch_size
+    )
+    logger.info("%s memory plan: %s", source.name, memory.describe())
+    engine = "llama_cpp" if source.format == "gguf" else "onnxruntime"
+    plan = plan_providers(
+        devices(engines=(engine,)), source.format, device, allow_fallback=allow_fallback
+    )
     from .runtimes import open_backend
 
     backend, chain = open_backend(source, config, plan)
@@ -78,6 +102,8 @@ def load(
         path=source.path,
         model_format=source.format,
         provider_chain=chain,
+        memory_plan=memory,
+        context_overflow=context_overflow,
     )
 
 

@@ -11,6 +11,7 @@ from . import generation
 from .chat_template import render_chat
 from .errors import EdgeInferError, InvalidRequestError
 from .generation import Chunk, GenerationResult, KVHistory, TokenStream
+from .memory import MemoryPlan
 from .sampling import Sampler, SamplingConfig
 
 if TYPE_CHECKING:
@@ -36,7 +37,15 @@ class Model:
         path: Path,
         model_format: str,
         provider_chain: Sequence[Mapping[str, Any]] = (),
+        memory_plan: MemoryPlan | None = None,
+        context_overflow: str = "stop",
     ) -> None:
+        if context_overflow not in ("stop", "slide"):
+            raise InvalidRequestError(
+                f"context_overflow={context_overflow!r} is invalid: expected 'stop' or 'slide'"
+            )
+        self._slide = context_overflow == "slide"
+        self._memory_plan = memory_plan
         self._backend = backend
         self._chain = [dict(entry) for entry in provider_chain]
         self._tokenizer = backend.tokenizer
@@ -59,11 +68,13 @@ class Model:
         self, prompt: Prompt, config: SamplingConfig | None = None, **sampling: Any
     ) -> TokenStream:
         """Generate a completion of ``prompt`` as a stream of Chunks of complete text."""
-        cfg = SamplingConfig.from_kwargs(config, **sampling)
         ids = self._prompt_ids(prompt)
+        return self._stream(ids, SamplingConfig.from_kwargs(config, **sampling), self._bos_len())
+
+    def _stream(self, ids: list[int], cfg: SamplingConfig, keep: int) -> TokenStream:
         sampler = generation.check_request(self._backend, ids, cfg)  # raises now, not at next()
         cancel = threading.Event()
-        return TokenStream(self._locked(ids, sampler, cancel), cancel)
+        return TokenStream(self._locked(ids, sampler, cancel, keep), cancel)
 
     @overload
     def chat(
@@ -94,11 +105,24 @@ class Model:
         **sampling: Any,
     ) -> GenerationResult | TokenStream:
         """Reply to ``messages`` (role/content dicts) through the model's chat template."""
-        text = self.apply_chat_template(messages)
-        bos = self._tokenizer.bos_token
-        ids = self._tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))
-        result = self.stream(ids, config, **sampling)
+        ids = self._chat_ids(messages)
+        keep = self._bos_len()
+        if self._slide and messages and messages[0].get("role") == "system":
+            # what a sliding context keeps: the rendered system message
+            system = self._chat_ids(messages[:1], add_generation_prompt=False)
+            pairs = enumerate(zip(ids, system, strict=False))
+            keep = next((i for i, (a, b) in pairs if a != b), min(len(system), len(ids)))
+        result = self._stream(ids, SamplingConfig.from_kwargs(config, **sampling), keep)
         return result if stream else result.collect()
+
+    def _chat_ids(self, messages: Messages, *, add_generation_prompt: bool = True) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        bos = self._tokenizer.bos_token
+        return self._tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))
+
+    def _bos_len(self) -> int:
+        """Tokens the tokenizer puts before any text (a BOS token, usually): kept on slides."""
+        return len(self._tokenizer.encode("", add_special=True)) if self._slide else 0
 
     def apply_chat_template(self, messages: Messages, *, add_generation_prompt: bool = True) -> str:
         """The prompt text the model's chat template makes of ``messages``."""
@@ -138,6 +162,7 @@ class Model:
             "kv_cache_bytes": backend.kv_nbytes,
             "vocab_size": self._tokenizer.n_vocab,
             "fallback_chain": [dict(entry) for entry in self._chain],
+            "memory_plan": self._memory_plan.to_dict() if self._memory_plan else None,
         }
 
     @property
@@ -188,8 +213,13 @@ class Model:
             )
         return ids
 
-    def _locked(self, ids: list[int], sampler: Sampler, cancel: threading.Event) -> Iterator[Chunk]:
+    def _locked(
+        self, ids: list[int], sampler: Sampler, cancel: threading.Event, keep: int
+    ) -> Iterator[Chunk]:
         """Serve one request under the model's lock (taken when iteration starts)."""
         with self._lock:
             self._require_open()
-            yield from generation.run(self._backend, self._history, ids, sampler, cancel)
+            slide_keep = keep if self._slide else None
+            yield from generation.run(
+                self._backend, self._history, ids, sampler, cancel, slide_keep
+            )

@@ -138,7 +138,7 @@ class LlamaCppBackend:
             self._n_ctx = config.context_for(int(llama.llama_model_n_ctx_train(self._model)))
             self._threads = config.resolved_threads
             self._flash_attention = config.flash_attention
-            self._n_batch = min(self._n_ctx, _MAX_BATCH)
+            self._n_batch = min(self._n_ctx, config.batch_size or _MAX_BATCH)
             self._ctx = self._new_context()
             self._batch = llama.llama_batch_init(self._n_batch, 0, 1)
             self._memory = llama.llama_get_memory(self._ctx)

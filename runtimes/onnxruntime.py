@@ -65,6 +65,7 @@ class OrtBackend:
         arch = manifest.architecture
         self._arch = arch
         self._threads = config.resolved_threads
+        self._chunk = config.batch_size or _PREFILL_CHUNK
         self._session = self._open_session(folder / manifest.model_file, candidate)
         self._n_ctx = config.context_for(arch.max_context)
         self._has_position_ids = any(i.name == "position_ids" for i in self._session.get_inputs())
@@ -95,6 +96,7 @@ class OrtBackend:
             "provider": candidate.provider,
             "device": candidate.device,
             "threads": self._threads,
+            "batch_size": self._chunk,
             "quantization": manifest.quantization.get("method", "unknown"),
         }
 
@@ -176,8 +178,8 @@ class OrtBackend:
     def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
         ids = check_fits(token_ids, self._n_past, self._n_ctx)
         logits: np.ndarray | None = None
-        for start in range(0, len(ids), _PREFILL_CHUNK):
-            logits = self._run(ids[start : start + _PREFILL_CHUNK])
+        for start in range(0, len(ids), self._chunk):
+            logits = self._run(ids[start : start + self._chunk])
         assert logits is not None
         return logits
 

@@ -66,16 +66,18 @@ class JsonTokenizer(TokenizerBase):
                 "ONNX models need the tokenizers library: pip install 'edgeinfer[onnx]'"
             ) from exc
         try:
-            spec = json.loads(path.read_text(encoding="utf-8"))
-            self._tok = Tokenizer.from_str(json.dumps(spec))
+            # from_file, not a Python json.loads of the whole file: the vocabulary and merges
+            # as Python objects cost ~50 MB of peak memory for a 49k-token vocabulary.
+            self._tok = Tokenizer.from_file(str(path))
         except Exception as exc:  # the tokenizers library raises plain Exception
             raise ModelLoadError(f"cannot read the tokenizer {path}: {exc}") from exc
-        self._byte_level = _mentions_byte_level(spec.get("pre_tokenizer")) or _mentions_byte_level(
-            spec.get("decoder")
+        self._byte_level = any(
+            component is not None and _mentions_byte_level(json.loads(component.__getstate__()))
+            for component in (self._tok.pre_tokenizer, self._tok.decoder)
         )
-        added = spec.get("added_tokens") or []
-        self._special = {int(t["id"]) for t in added if t.get("special")}
-        self._added_text = {int(t["id"]): str(t["content"]) for t in added if not t.get("special")}
+        added = self._tok.get_added_tokens_decoder()
+        self._special = {int(i) for i, t in added.items() if t.special}
+        self._added_text = {int(i): str(t.content) for i, t in added.items() if not t.special}
         self._eos = frozenset(int(t) for t in eos_token_ids)
         super().__init__(
             n_vocab=n_vocab or self._tok.get_vocab_size(with_added_tokens=True),

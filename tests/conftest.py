@@ -35,7 +35,7 @@ def default_model(default_gguf: Path) -> Iterator[Model]:
 # Derived artifacts of the default model (its Hugging Face checkpoint, its ONNX conversions)
 # are cached under $EDGEINFER_HOME/derived/<source sha256[:16]>-r<recipe>/, so only the first
 # session pays for them. Bump the recipe when the converter's output changes.
-_RECIPE = 1
+_RECIPE = 2
 
 
 def _derived_dir() -> Path:

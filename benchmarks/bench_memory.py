@@ -1,0 +1,103 @@
+"""The memory plan against the process's measured peak resident set (VmHWM).
+
+Each case runs in a fresh Python process: load the model under a memory budget (or with a
+fixed context), fill the planned context to ~95% with a prompt, generate to the end of the
+context, then report the plan (context, batch, total and its parts) and the peak RSS.
+
+    python benchmarks/bench_memory.py                      # default GGUF model, budgets
+    python benchmarks/bench_memory.py --grid               # contexts x batches (calibration)
+    python benchmarks/bench_memory.py --model DIR --budgets 400MB 512MB 1GB
+
+Linux only (VmHWM). Writes benchmarks/results/memory.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+CHILD = r"""
+import json, sys
+import edgeinfer
+from edgeinfer.memory import peak_rss
+model, budget, ctx, batch, fill = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5])
+kw = {}
+if budget != "-":
+    kw["memory_budget"] = budget
+if ctx != "-":
+    kw["context_length"] = int(ctx)
+if batch != "-":  # calibration only: force the prefill batch through the plan's result
+    import edgeinfer.memory as m
+    m._BATCHES = (int(batch),)
+with edgeinfer.load(model, threads=2, **kw) as llm:
+    plan = llm.info["memory_plan"]
+    n_ctx = llm.context_length
+    unit = llm.tokenize("The quick brown fox jumps over the lazy dog. ")
+    ids = (unit * (n_ctx // len(unit) + 1))[: int(n_ctx * fill)]
+    result = llm.generate(ids, max_new_tokens=n_ctx - len(ids), temperature=0,
+                          logit_bias={t: -100.0 for t in [0, 1, 2]})
+    print(json.dumps({"plan": plan, "context_length": n_ctx, "prompt_tokens": len(ids),
+                      "completion_tokens": result.stats.completion_tokens,
+                      "finish_reason": result.finish_reason, "peak_rss": peak_rss()}))
+"""
+
+
+def run_case(model: str, budget: str, ctx: str, batch: str, fill: float) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, model, budget, ctx, batch, str(fill)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return {"budget": budget, "context": ctx, "error": last}
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    plan = out["plan"]
+    out.update(
+        budget=budget,
+        planned=plan["total"],
+        error_vs_peak=(plan["total"] - out["peak_rss"]) / out["peak_rss"],
+        within_budget=out["peak_rss"] <= plan["budget"],
+    )
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--budgets", nargs="*", default=["192MB", "256MB", "512MB", "1GB"])
+    ap.add_argument("--grid", action="store_true", help="contexts x batches, no budget")
+    ap.add_argument("--fill", type=float, default=0.95, help="prompt share of the context")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "memory.json")
+    args = ap.parse_args()
+    cases: list[tuple[str, str, str]] = []
+    if args.grid:
+        cases = [("-", str(c), str(b)) for c in (512, 2048, 8192) for b in (64, 512)]
+    else:
+        cases = [(b, "-", "-") for b in args.budgets]
+    rows = []
+    print(f"{'budget':>8} {'ctx':>6} {'batch':>5} {'planned MB':>10} {'peak MB':>8} {'plan-peak':>9}")
+    for budget, ctx, batch in cases:
+        row = run_case(args.model, budget, ctx, batch, args.fill)
+        rows.append(row)
+        if "error" in row:
+            print(f"{budget:>8} {ctx:>6} {'':>5} {row['error']}")
+            continue
+        plan = row["plan"]
+        print(
+            f"{budget:>8} {row['context_length']:>6} {plan['batch_size']:>5} "
+            f"{row['planned'] / 1e6:>10.1f} {row['peak_rss'] / 1e6:>8.1f} "
+            f"{row['error_vs_peak']:>+9.1%}" + ("" if row["within_budget"] else "  OVER BUDGET")
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"model": args.model, "cases": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""The memory plan: sizes, fit, refusals, recorded machines, and peak RSS under a budget."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import edgeinfer
+from edgeinfer import cli
+from edgeinfer.errors import InvalidRequestError, MemoryBudgetError
+from edgeinfer.generation import KVHistory, run
+from edgeinfer.inventory import RecordedProbe, build_inventory
+from edgeinfer.loader import resolve
+from edgeinfer.memory import FRESH_PROCESS_BYTES, parse_size, plan_memory, shape_of
+from edgeinfer.sampling import Sampler, SamplingConfig
+from tests.fakes import FakeBackend
+
+MACHINES = Path(__file__).parent / "data" / "machines"
+MB = 10**6
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("512MB", 512 * 10**6),
+        ("512 mb", 512 * 10**6),
+        ("1.5GiB", int(1.5 * 2**30)),
+        ("800M", 800 * 10**6),
+        ("64MiB", 64 * 2**20),
+        ("1048576", 2**20),
+        (2**20, 2**20),
+    ],
+)
+def test_parse_size(text: Any, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "lots", "-5MB", "0", 0, -1, True, "5 XB", "1.2.3GB"])
+def test_parse_size_rejects_nonsense(bad: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="memory_budget"):
+        parse_size(bad)
+
+
+@pytest.fixture(scope="module")
+def gguf_shape(default_gguf: Path) -> Any:
+    return shape_of(resolve(default_gguf))
+
+
+def test_gguf_shape_from_the_header(gguf_shape: Any) -> None:
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64, f16 cache -> 23,040 bytes per token
+    assert gguf_shape.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2
+    assert gguf_shape.trained_context == 8192
+    assert 90 * 2**20 < gguf_shape.weight_bytes < 100 * 2**20
+    assert (gguf_shape.n_heads, gguf_shape.n_vocab) == (9, 49152)
+
+
+def test_a_plan_adds_up(gguf_shape: Any) -> None:
+    plan = plan_memory(gguf_shape, budget="512MB", process=40 * MB, engine_loaded=True)
+    parts = plan.process + plan.weights + plan.engine + plan.kv_cache + plan.compute
+    assert plan.total == parts + plan.headroom <= plan.budget
+    assert plan.kv_cache == 23040 * plan.context_length
+    assert plan.context_length % 256 == 0 or plan.context_length == 8192
+    assert plan.to_dict()["total"] == plan.total
+    assert "of 512 MB (memory_budget)" in plan.describe()
+
+
+def test_smaller_budgets_give_smaller_contexts(gguf_shape: Any) -> None:
+    contexts = [
+        plan_memory(gguf_shape, budget=b, process=40 * MB, engine_loaded=True).context_length
+        for b in ("200MB", "256MB", "400MB", "1GB")
+    ]
+    assert contexts == sorted(contexts) and contexts[0] < contexts[-1] == 8192
+
+
+def test_tiny_budget_is_refused_with_the_numbers(gguf_shape: Any) -> None:
+    with pytest.raises(MemoryBudgetError) as info:
+        plan_memory(gguf_shape, budget="64MB")
+    text = str(info.value)
+    assert "budget is 64 MB" in text and "needs" in text and "weights" in text
+    assert "bigger memory_budget" in text
+
+
+def test_context_that_does_not_fit_is_refused(gguf_shape: Any) -> None:
+    with pytest.raises(MemoryBudgetError, match="shorter context_length") as info:
+        plan_memory(gguf_shape, budget="256MB", context_length=8192)
+    assert "8192-token context" in str(info.value)
+    with pytest.raises(InvalidRequestError, match="trained context"):
+        plan_memory(gguf_shape, budget="1GB", context_length=16384)
+
+
+def test_refusals_happen_before_loading(
+    default_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def never(*args: Any, **kw: Any) -> Any:
+        raise AssertionError("a backend was opened")
+
+    monkeypatch.setattr("edgeinfer.runtimes.open_backend", never)
+    with pytest.raises(MemoryBudgetError):
+        edgeinfer.load(default_gguf, memory_budget="64MB")
+    with pytest.raises(MemoryBudgetError):
+        edgeinfer.load(default_gguf, memory_budget="256MB", context_length=8192)
+    with pytest.raises(InvalidRequestError):
+        edgeinfer.load(default_gguf, memory_budget="a lot")
+
+
+def test_no_budget_on_this_machine_takes_the_trained_context(default_gguf: Path) -> None:
+    with edgeinfer.load(default_gguf) as model:
+        plan = model.info["memory_plan"]
+        assert model.context_length == plan["context_length"] == 8192
+        assert plan["budget_source"].startswith("50% of the")
+        result = model.generate("Hello", max_new_tokens=4, temperature=0)
+        assert result.stats.peak_rss_bytes > 100 * MB
+
+
+def _machine_plan(name: str, shape: Any) -> Any:
+    record = json.loads((MACHINES / f"{name}.json").read_text())
+    inv = build_inventory(RecordedProbe(record))
+    return plan_memory(
+        shape, available=inv.available_ram, process=FRESH_PROCESS_BYTES, engine_loaded=False
+    )
+
+
+def test_plans_for_recorded_raspberry_pis(gguf_shape: Any, default_onnx: Any) -> None:
+    int8 = shape_of(resolve(default_onnx("int8")))
+    # Raspberry Pi 5, 8 GB: everything fits at full speed
+    plan = _machine_plan("raspberry-pi-5", gguf_shape)
+    assert (plan.context_length, plan.batch_size) == (8192, 512)
+    # Pi 4 with 1 GB, desktop running (480 MB available, budget 240 MB + the process):
+    # the GGUF model gets a smaller context; the ONNX int8 conversion does not fit
+    plan = _machine_plan("raspberry-pi-4-1gb-desktop", gguf_shape)
+    assert plan.context_length == 4096 and plan.total <= plan.budget
+    with pytest.raises(MemoryBudgetError, match="480 MB available"):
+        _machine_plan("raspberry-pi-4-1gb-desktop", int8)
+    # Pi 4 with 1 GB, no desktop (712 MB available): the 135M GGUF model fits its whole
+    # trained context by taking a smaller prefill batch; the ONNX int8 one a 256-token context
+    plan = _machine_plan("raspberry-pi-4-1gb", gguf_shape)
+    assert (plan.context_length, plan.batch_size) == (8192, 64)
+    assert _machine_plan("raspberry-pi-4-1gb", int8).context_length == 256
+
+
+def test_cli_memory_budget(default_gguf: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["run", str(default_gguf), "-p", "Hi", "--memory-budget", "64MB"])
+    assert code == 1
+    assert "budget is 64 MB" in capsys.readouterr().err
+    args = ["devices", str(default_gguf), "--inventory", str(MACHINES / "raspberry-pi-5.json")]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "memory plan:" in out and "context 8192 tokens, batch 512" in out
+
+
+# -- a full context: stop, or slide ---------------------------------------------------------
+
+
+def test_full_context_stops_with_length() -> None:
+    backend = FakeBackend(n_ctx=32)
+    cfg = SamplingConfig(temperature=0, max_new_tokens=100, logit_bias={0: -100.0})
+    chunks = list(run(backend, KVHistory(), [5, 6, 7], Sampler(cfg, 300), _never()))
+    assert chunks[-1].finish_reason == "length"
+    assert 3 + sum(len(c.token_ids) for c in chunks) == 32
+    assert backend.n_past <= 32
+
+
+def test_sliding_context_keeps_the_start_and_goes_on() -> None:
+    backend = FakeBackend(n_ctx=32)
+    history = KVHistory()
+    cfg = SamplingConfig(temperature=0, max_new_tokens=100, logit_bias={0: -100.0})
+    prompt = [5, 6, 7, 8]
+    chunks = list(run(backend, history, prompt, Sampler(cfg, 300), _never(), slide_keep=2))
+    generated = [t for c in chunks for t in c.token_ids]
+    assert chunks[-1].finish_reason == "length" and len(generated) == 100  # max_new_tokens
+    assert history.tokens[:2] == [5, 6]  # the kept start
+    assert history.tokens[-1] == generated[-2]  # the last token is sampled, not decoded
+    assert len(history.tokens) < 32 and backend.n_past == len(history.tokens)
+
+
+@pytest.mark.model
+def test_sliding_chat_on_the_default_model(default_gguf: Path) -> None:
+    messages = [
+        {"role": "system", "content": "You are a pirate. Always answer like a pirate."},
+        {"role": "user", "content": "Tell me a very long story about the sea."},
+    ]
+    with edgeinfer.load(default_gguf, context_length=256, context_overflow="slide") as model:
+        system = model._chat_ids(messages[:1], add_generation_prompt=False)
+        eos = model._tokenizer.is_end_of_generation
+        ban = {t: -100.0 for t in range(3) if eos(t)}
+        result = model.chat(messages, max_new_tokens=400, temperature=0, logit_bias=ban)
+        assert result.finish_reason == "length" and result.stats.completion_tokens == 400
+        kept = model._history.tokens[: len(system) - 1]
+        assert kept == system[: len(system) - 1]
+        assert model._history.tokens and len(model._history.tokens) < 256
+    with edgeinfer.load(default_gguf, context_length=256) as model:
+        result = model.chat(messages, max_new_tokens=400, temperature=0, logit_bias=ban)
+        assert result.finish_reason == "length" and result.stats.completion_tokens < 256
+    with pytest.raises(InvalidRequestError, match="context_overflow"):
+        edgeinfer.load(default_gguf, context_overflow="wrap")
+
+
+def _never() -> Any:
+    import threading
+
+    return threading.Event()
+
+
+# -- peak RSS under a budget, in a fresh process -----------------------------------------------
+
+CHILD = r"""
+import json, sys
+import edgeinfer
+from edgeinfer.memory import peak_rss
+with edgeinfer.load(sys.argv[1], memory_budget=sys.argv[2], threads=2) as llm:
+    n_ctx = llm.context_length
+    unit = llm.tokenize("The quick brown fox jumps over the lazy dog. ")
+    ids = (unit * (n_ctx // len(unit) + 1))[: n_ctx - 48]
+    result = llm.generate(ids, max_new_tokens=64, temperature=0,
+                          logit_bias={t: -100.0 for t in (0, 1, 2)})
+    print(json.dumps({"context": n_ctx, "finish": result.finish_reason,
+                      "stats_peak": result.stats.peak_rss_bytes, "peak": peak_rss(),
+                      "planned": llm.info["memory_plan"]["total"]}))
+"""
+
+
+def _run_under(model: Path, budget: str) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, str(model), budget],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM is Linux's")
+@pytest.mark.parametrize(
+    ("budget", "max_context"), [("192MB", 1024), ("256MB", 4096), ("512MB", 8192)]
+)
+def test_gguf_peak_rss_stays_within_the_budget(
+    default_gguf: Path, budget: str, max_context: int
+) -> None:
+    out = _run_under(default_gguf, budget)
+    print(budget, out)
+    assert out["peak"] <= parse_size(budget), out
+    assert out["stats_peak"] <= out["peak"]
+    assert 256 <= out["context"] <= max_context
+    assert out["finish"] == "length"  # the context was filled
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM is Linux's")
+def test_onnx_int8_peak_rss_stays_within_the_budget(default_onnx: Any) -> None:
+    folder = default_onnx("int8")
+    shape = shape_of(resolve(folder))
+    # the smallest budget the plan accepts for a fresh process (a 256-token context)
+    smallest = plan_memory(
+        shape, context_length=256, process=FRESH_PROCESS_BYTES, engine_loaded=False,
+        budget="100GB",
+    ).total  # fmt: skip
+    contexts = []
+    for budget in (str(int(smallest * 1.05)), "768MB", "1GB"):
+        out = _run_under(folder, budget)
+        print(budget, out)
+        assert out["peak"] <= parse_size(budget), out
+        contexts.append(out["context"])
+    assert contexts == sorted(contexts) and contexts[0] >= 256
