@@ -19,12 +19,14 @@ from .errors import (
     EdgeInferError,
     InvalidRequestError,
     MemoryBudgetError,
+    ModelBusyError,
     ModelFetchError,
     ModelLoadError,
 )
 from .generation import Chunk, GenerationResult, GenerationStats, TokenStream
 from .inventory import DeviceInventory, devices
 from .loader import load
+from .memory import MemoryPlan
 from .model import Model
 from .policy import ProviderPlan, plan_providers
 from .sampling import SamplingConfig
@@ -43,7 +45,9 @@ __all__ = [
     "InvalidRequestError",
     "LoadConfig",
     "MemoryBudgetError",
+    "MemoryPlan",
     "Model",
+    "ModelBusyError",
     "ModelFetchError",
     "ModelLoadError",
     "ProviderPlan",

@@ -5,6 +5,7 @@
     │   └── ModelFetchError             a catalog model could not be fetched or verified
     ├── BackendUnavailableError         engine or provider not installed, or it failed
     ├── MemoryBudgetError               the memory plan does not fit the budget
+    ├── ModelBusyError                  the model is serving another request (wait=False)
     ├── ConversionError                 export, quantization or validation failed
     └── InvalidRequestError             bad sampling arguments, prompt too long, bad messages
         └── ChatTemplateError           the model's chat template failed to render
@@ -22,6 +23,7 @@ __all__ = [
     "EdgeInferError",
     "InvalidRequestError",
     "MemoryBudgetError",
+    "ModelBusyError",
     "ModelFetchError",
     "ModelLoadError",
 ]
@@ -45,6 +47,10 @@ class BackendUnavailableError(EdgeInferError):
 
 class MemoryBudgetError(EdgeInferError):
     """The memory plan for a model does not fit the budget."""
+
+
+class ModelBusyError(EdgeInferError):
+    """The model is serving another request and the caller asked not to wait."""
 
 
 class ConversionError(EdgeInferError):

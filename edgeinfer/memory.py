@@ -21,10 +21,15 @@ trained context), trading prefill batch size for context when memory is short; a
 context that does not fit, or a budget below the weights and overheads, raises
 ``MemoryBudgetError`` before anything is allocated.
 
-The constants below were measured on this project's reference machine (x86-64, Linux,
-llama-cpp-python 0.3.36, onnxruntime 1.32) with ``python benchmarks/bench_memory.py
---calibrate``, which prints the same figures; the benchmark checks the plan against the
-measured peak.
+The constants below were measured on the development machine (x86-64, Linux, Python 3.11,
+llama-cpp-python 0.3.36, onnxruntime 1.32) with the default model (SmolLM2-135M: GGUF Q4_1
+and its ONNX conversions): the per-context and per-batch terms from
+``python benchmarks/bench_memory.py --grid`` (contexts 512..8192 x batches 64/512, no budget;
+add ``--model DIR`` for an ONNX folder), the fixed terms from the resident set measured
+after each import and load step. ``python benchmarks/bench_memory.py`` checks the plan
+against the measured peak under budgets. Other architectures, vocabularies and platforms
+were not measured: the weights, KV and score terms scale with the model's own metadata,
+the fixed terms do not.
 """
 
 from __future__ import annotations
@@ -95,7 +100,7 @@ _COSTS = {
     # onnxruntime, CPU: onnxruntime + tokenizers 22 MiB; the tokenizers library holds ~7x the
     # size of tokenizer.json; optimum's graph returns the grown cache beside the old one and
     # computes logits for every prefill position. Measured on the default model's int8
-    # conversion, resident memory grows by 2.6x the KV cache per token of context (two cache
+    # conversion, resident memory grows by 2.75x the KV cache per token of context (two cache
     # instances during a step, plus attention workspace and arena slack); weight residency per
     # quantization measured after session creation (pre-packing copies some weights).
     "onnx": _EngineCosts(
@@ -103,7 +108,7 @@ _COSTS = {
         fixed_bytes=8 * MiB,
         vocab_bytes=0,
         tokenizer_file_factor=7.0,
-        kv_factor=2.6,
+        kv_factor=2.75,
         score_bytes=8.0,
         compute_fixed_bytes=8 * MiB,
         logits_per_batch_token=4,

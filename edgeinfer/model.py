@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from . import generation
+from ._turns import Turns
 from .chat_template import render_chat
 from .errors import EdgeInferError, InvalidRequestError
 from .generation import Chunk, GenerationResult, KVHistory, TokenStream
@@ -53,28 +54,49 @@ class Model:
         self._path = path
         self._format = model_format
         self._history = KVHistory()
-        self._lock = threading.Lock()
+        self._turns = Turns()
         self._closed = False
 
     # -- requests -------------------------------------------------------------------------
 
     def generate(
-        self, prompt: Prompt, config: SamplingConfig | None = None, **sampling: Any
+        self,
+        prompt: Prompt,
+        config: SamplingConfig | None = None,
+        *,
+        wait: bool = True,
+        **sampling: Any,
     ) -> GenerationResult:
-        """Generate a completion of ``prompt`` (text, or token ids) and return it whole."""
-        return self.stream(prompt, config, **sampling).collect()
+        """Generate a completion of ``prompt`` (text, or token ids) and return it whole.
+
+        Requests to one model run one at a time, in arrival order; ``wait=False`` raises
+        ``ModelBusyError`` instead of queueing behind a running request.
+        """
+        return self.stream(prompt, config, wait=wait, **sampling).collect()
 
     def stream(
-        self, prompt: Prompt, config: SamplingConfig | None = None, **sampling: Any
+        self,
+        prompt: Prompt,
+        config: SamplingConfig | None = None,
+        *,
+        wait: bool = True,
+        **sampling: Any,
     ) -> TokenStream:
-        """Generate a completion of ``prompt`` as a stream of Chunks of complete text."""
-        ids = self._prompt_ids(prompt)
-        return self._stream(ids, SamplingConfig.from_kwargs(config, **sampling), self._bos_len())
+        """Generate a completion of ``prompt`` as a stream of Chunks of complete text.
 
-    def _stream(self, ids: list[int], cfg: SamplingConfig, keep: int) -> TokenStream:
+        The request takes its turn on the model when iteration starts (``wait=False``: the
+        first ``next()`` raises ``ModelBusyError`` if another request is running).
+        """
+        ids = self._prompt_ids(prompt)
+        cfg = SamplingConfig.from_kwargs(config, **sampling)
+        return self._stream(ids, cfg, self._bos_len(), wait)
+
+    def _stream(self, ids: list[int], cfg: SamplingConfig, keep: int, wait: bool) -> TokenStream:
+        if not isinstance(wait, bool):
+            raise InvalidRequestError(f"wait={wait!r} is invalid: expected True or False")
         sampler = generation.check_request(self._backend, ids, cfg)  # raises now, not at next()
         cancel = threading.Event()
-        return TokenStream(self._locked(ids, sampler, cancel, keep), cancel)
+        return TokenStream(self._locked(ids, sampler, cancel, keep, wait), cancel)
 
     @overload
     def chat(
@@ -83,6 +105,7 @@ class Model:
         config: SamplingConfig | None = ...,
         *,
         stream: Literal[False] = ...,
+        wait: bool = ...,
         **sampling: Any,
     ) -> GenerationResult: ...
 
@@ -93,6 +116,7 @@ class Model:
         config: SamplingConfig | None = ...,
         *,
         stream: Literal[True],
+        wait: bool = ...,
         **sampling: Any,
     ) -> TokenStream: ...
 
@@ -102,6 +126,7 @@ class Model:
         config: SamplingConfig | None = None,
         *,
         stream: bool = False,
+        wait: bool = True,
         **sampling: Any,
     ) -> GenerationResult | TokenStream:
         """Reply to ``messages`` (role/content dicts) through the model's chat template."""
@@ -112,7 +137,7 @@ class Model:
             system = self._chat_ids(messages[:1], add_generation_prompt=False)
             pairs = enumerate(zip(ids, system, strict=False))
             keep = next((i for i, (a, b) in pairs if a != b), min(len(system), len(ids)))
-        result = self._stream(ids, SamplingConfig.from_kwargs(config, **sampling), keep)
+        result = self._stream(ids, SamplingConfig.from_kwargs(config, **sampling), keep, wait)
         return result if stream else result.collect()
 
     def _chat_ids(self, messages: Messages, *, add_generation_prompt: bool = True) -> list[int]:
@@ -173,7 +198,7 @@ class Model:
 
     def close(self) -> None:
         """Free the engine and its KV cache; calling it again does nothing."""
-        with self._lock:
+        with self._turns.turn():
             if not self._closed:
                 self._closed = True
                 self._backend.close()
@@ -214,10 +239,10 @@ class Model:
         return ids
 
     def _locked(
-        self, ids: list[int], sampler: Sampler, cancel: threading.Event, keep: int
+        self, ids: list[int], sampler: Sampler, cancel: threading.Event, keep: int, wait: bool
     ) -> Iterator[Chunk]:
-        """Serve one request under the model's lock (taken when iteration starts)."""
-        with self._lock:
+        """Serve one request in its turn (taken when iteration starts)."""
+        with self._turns.turn(wait=wait):
             self._require_open()
             slide_keep = keep if self._slide else None
             yield from generation.run(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -129,3 +130,42 @@ def test_close_is_idempotent(model_path: Path) -> None:
     model.close()
     with pytest.raises(EdgeInferError, match="closed"):
         model.generate("hi")
+
+
+def test_eight_threads_ten_requests_each(model: Model) -> None:
+    prompts = [f"List {n} things about the number {n}:" for n in range(8)]
+    expected = {p: model.generate(p, max_new_tokens=6, temperature=0).token_ids for p in prompts}
+    results: dict[str, list[tuple[int, ...]]] = {p: [] for p in prompts}
+    failures: list[BaseException] = []
+
+    def worker(prompt: str) -> None:
+        try:
+            for _ in range(10):
+                out = model.generate(prompt, max_new_tokens=6, temperature=0).token_ids
+                results[prompt].append(out)
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+    assert all(outs == [expected[p]] * 10 for p, outs in results.items())
+
+
+def test_cancel_mid_stream_then_generate_equals_a_fresh_model(model_path: Path) -> None:
+    prompt = "Write a poem about the sea:"
+    with edgeinfer.load(model_path, context_length=256) as fresh:
+        expected = fresh.generate(prompt, max_new_tokens=24, temperature=0).token_ids
+    with edgeinfer.load(model_path, context_length=256) as model:
+        ban_eos = {t: -100.0 for t in range(3)}  # SmolLM2's special tokens: keep it talking
+        stream = model.stream(
+            "Tell me about mountains.", max_new_tokens=100, temperature=0, logit_bias=ban_eos
+        )
+        for i, _chunk in enumerate(stream):
+            if i == 5:
+                stream.cancel()
+        assert stream.result is not None and stream.result.finish_reason == "cancelled"
+        assert model.generate(prompt, max_new_tokens=24, temperature=0).token_ids == expected

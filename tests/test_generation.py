@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from edgeinfer import EdgeInferError, InvalidRequestError
+from edgeinfer import EdgeInferError, InvalidRequestError, ModelBusyError
+from edgeinfer._turns import Turns
 from edgeinfer.model import Model
 
 from .fakes import EOS, FakeBackend
@@ -178,3 +179,77 @@ def test_stream_refuses_a_bad_request_before_iteration() -> None:
         model.stream("x" * 40)
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         model.stream("hi", logit_bias={10**6: 1.0})
+
+
+def test_wait_false_raises_model_busy_while_another_request_runs() -> None:
+    model, _ = make()
+    running = model.stream("hello", max_new_tokens=50, temperature=0)
+    next(running)  # holds the model now
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            model.generate("world", max_new_tokens=5, wait=False)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and isinstance(errors[0], ModelBusyError)
+    assert "another request" in str(errors[0])
+    running.close()
+    assert model.generate("world", max_new_tokens=5, wait=False).token_ids  # free again
+    with pytest.raises(InvalidRequestError, match="wait"):
+        model.generate("world", wait="no")  # type: ignore[arg-type]
+
+
+def test_requests_are_served_in_arrival_order() -> None:
+    model, _ = make()
+    first = model.stream("hello", max_new_tokens=5, temperature=0)
+    next(first)  # the model is busy until `first` ends
+    order: list[int] = []
+
+    def worker(i: int) -> None:
+        model.generate(f"p{i}", max_new_tokens=2, temperature=0)
+        order.append(i)
+
+    threads = []
+    for i in range(6):
+        t = threading.Thread(target=worker, args=(i,))
+        t.start()
+        threads.append(t)
+        while model._turns._issued < i + 2:  # wait until this thread has its ticket
+            threading.Event().wait(0.001)
+    first.close()
+    for t in threads:
+        t.join()
+    assert order == list(range(6))
+
+
+def test_a_waiter_that_gives_up_does_not_block_the_others() -> None:
+    turns = Turns()
+    holder = turns.turn()
+    holder.__enter__()
+    gave_up = threading.Event()
+
+    def impatient() -> None:
+        try:
+            with turns.turn():
+                pass
+        except KeyboardInterrupt:
+            gave_up.set()
+
+    def interrupted_wait(timeout: float | None = None) -> bool:
+        raise KeyboardInterrupt  # Ctrl-C while waiting for the turn
+
+    turns._cond.wait = interrupted_wait  # type: ignore[method-assign]
+    t = threading.Thread(target=impatient)
+    t.start()
+    t.join()
+    del turns._cond.wait
+    assert gave_up.is_set()
+    holder.__exit__(None, None, None)
+    with turns.turn(wait=False):  # the abandoned ticket was skipped
+        assert turns.busy
+    assert not turns.busy
