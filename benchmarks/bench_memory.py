@@ -24,7 +24,8 @@ CHILD = r"""
 import json, sys
 import edgeinfer
 from edgeinfer.memory import peak_rss
-model, budget, ctx, batch, fill = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5])
+model, budget, ctx, batch = sys.argv[1:5]
+fill = float(sys.argv[5])
 kw = {}
 if budget != "-":
     kw["memory_budget"] = budget
@@ -81,7 +82,9 @@ def main() -> int:
     else:
         cases = [(b, "-", "-") for b in args.budgets]
     rows = []
-    print(f"{'budget':>8} {'ctx':>6} {'batch':>5} {'planned MB':>10} {'peak MB':>8} {'plan-peak':>9}")
+    print(
+        f"{'budget':>8} {'ctx':>6} {'batch':>5} {'planned MB':>10} {'peak MB':>8} {'plan-peak':>9}"
+    )
     for budget, ctx, batch in cases:
         row = run_case(args.model, budget, ctx, batch, args.fill)
         rows.append(row)

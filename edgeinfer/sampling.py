@@ -110,6 +110,18 @@ class SamplingConfig:
         return self.temperature == 0
 
 
+def _top_k(x: np.ndarray, k: int, peak: np.floating) -> np.ndarray:
+    """Ids of the k largest logits (exact). Logits are first narrowed to those within 10 of
+    the maximum, a few hundred in practice, so the selection does not scan the vocabulary
+    twice; if fewer than k are that close, the whole vocabulary is searched."""
+    near = np.flatnonzero(x >= peak - np.float32(10.0))
+    if near.size == k:
+        return near
+    if near.size > k:
+        return near[np.argpartition(x[near], near.size - k)[near.size - k :]]
+    return np.argpartition(x, x.size - k)[x.size - k :]
+
+
 class Sampler:
     """Picks the next token from one position's logits; one instance per request."""
 
@@ -155,32 +167,45 @@ class Sampler:
     def _filter(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Candidate ids and their (unnormalised) probabilities after top-k/top-p/min-p."""
         cfg = self.config
-        p = np.exp(x - x.max())  # [vocab], unnormalised
         vocab = x.size
         k = vocab if not cfg.top_k else min(cfg.top_k, vocab)
-        if cfg.top_p >= 1.0:
-            ids = np.arange(vocab) if k == vocab else np.argpartition(x, vocab - k)[vocab - k :]
+        peak = x.max()
+        if k < vocab:
+            # only the top k are ever candidates: work on them alone
+            ids = _top_k(x, k, peak)
+            ids = ids[np.argsort(-x[ids], kind="stable")]
+            probs = np.exp(x[ids] - peak)
+            if cfg.top_p < 1.0:
+                cum = np.cumsum(probs, dtype=np.float64)
+                n = int(np.searchsorted(cum, cfg.top_p * cum[-1])) + 1
+                ids, probs = ids[:n], probs[:n]
         else:
-            ids = self._nucleus(x, p, k)
-        probs = p[ids]
+            p = np.exp(x - peak)  # [vocab], unnormalised
+            ids = np.arange(vocab) if cfg.top_p >= 1.0 else self._nucleus(x, p)
+            probs = p[ids]
         if cfg.min_p > 0:
             keep = probs >= np.float32(cfg.min_p) * probs.max()
             ids, probs = ids[keep], probs[keep]
         return ids, probs
 
-    def _nucleus(self, x: np.ndarray, p: np.ndarray, k: int) -> np.ndarray:
-        """Top-p over the top-k set: the smallest prefix (by probability) holding top_p mass."""
+    def _nucleus(self, x: np.ndarray, p: np.ndarray) -> np.ndarray:
+        """Top-p over the whole vocabulary: the smallest prefix (by probability) holding
+        top_p of the mass, found by sorting a growing top slice instead of everything."""
         vocab = x.size
-        total = p.sum() if k == vocab else p[np.argpartition(x, vocab - k)[vocab - k :]].sum()
-        target = self.config.top_p * total
-        m = min(_TOP_P_FIRST_GUESS, k)
+        target = self.config.top_p * p.sum(dtype=np.float64)
+        near = np.flatnonzero(x >= x.max() - np.float32(10.0))  # usually holds the nucleus
+        near = near[np.argsort(-x[near], kind="stable")]
+        cum = np.cumsum(p[near], dtype=np.float64)
+        if cum[-1] >= target:  # every id left out is less likely than every id in `near`
+            return near[: int(np.searchsorted(cum, target)) + 1]
+        m = min(_TOP_P_FIRST_GUESS, vocab)
         while True:
             top = np.argpartition(x, vocab - m)[vocab - m :] if m < vocab else np.arange(vocab)
             top = top[np.argsort(-x[top], kind="stable")]
             cum = np.cumsum(p[top], dtype=np.float64)
-            if cum[-1] >= target or m == k:
-                return top[: int(np.searchsorted(cum, target)) + 1][:m]
-            m = min(m * 4, k)
+            if cum[-1] >= target or m == vocab:
+                return top[: int(np.searchsorted(cum, target)) + 1]
+            m = min(m * 4, vocab)
 
     def _draw(self, probs: np.ndarray) -> int:
         cum = np.cumsum(probs, dtype=np.float64)
