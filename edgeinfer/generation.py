@@ -61,24 +61,32 @@ class GenerationResult:
 
 
 class KVHistory:
-    """Token ids whose entries are in the backend's KV cache, in order (a prefix of it)."""
+    """Token ids whose entries are in the backend's KV cache, in order (a prefix of it).
+
+    ``batched`` counts the leading entries written by prefill. Entries written by decode
+    steps (one token at a time) come from other kernels than a batched read of the same
+    tokens (llama.cpp, without flash attention: logits downstream differ by up to ~0.7), so
+    they are not reused: a reused cache then gives exactly what an empty one gives.
+    """
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
+        self.batched = 0
 
     def reuse(self, backend: Backend, prompt: Sequence[int]) -> int:
-        """Rewind ``backend`` to the longest common prefix with ``prompt``; return its length.
+        """Rewind ``backend`` to the longest common prefix with ``prompt`` among the entries
+        prefill wrote; return its length.
 
         At least two prompt tokens (or the whole prompt) are always prefilled again: prefill
-        yields the logits, and engines compute a one-token batch by another kernel than a
-        longer one (llama.cpp without flash attention differs in the logits by up to ~0.9),
-        so a repeated prompt would otherwise not give what it gave the first time.
+        yields the logits, and a one-token batch is computed by another kernel than a longer
+        one, so a repeated prompt would otherwise not give what it gave the first time.
         """
-        limit = min(len(self.tokens), len(prompt) - _MIN_PREFILL, backend.n_past)
+        limit = min(self.batched, len(prompt) - _MIN_PREFILL, backend.n_past)
         n = 0
         while n < limit and self.tokens[n] == prompt[n]:
             n += 1
         del self.tokens[n:]
+        self.batched = n
         backend.rewind(n)
         return n
 
@@ -154,8 +162,12 @@ def _slide(backend: Backend, history: KVHistory, token: int, keep: int) -> np.nd
     recent = window[keep:][-((backend.n_ctx - keep) // 2) :]
     backend.rewind(keep)
     history.tokens = window[:keep]
+    kept_batched = history.batched >= keep
+    history.batched = min(history.batched, keep)
     logits = backend.prefill([*recent, token])
     history.tokens += [*recent, token]
+    if kept_batched:
+        history.batched = len(history.tokens)
     return logits
 
 
@@ -181,6 +193,7 @@ def run(
     reused = history.reuse(backend, prompt)
     logits = backend.prefill(prompt[reused:])
     history.tokens = list(prompt)
+    history.batched = len(prompt)
     t_first = t_last = time.perf_counter()
     context: list[int] = list(prompt)  # for the repetition penalty
     generated: list[int] = []

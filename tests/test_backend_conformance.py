@@ -169,3 +169,20 @@ def test_cancel_mid_stream_then_generate_equals_a_fresh_model(model_path: Path) 
                 stream.cancel()
         assert stream.result is not None and stream.result.finish_reason == "cancelled"
         assert model.generate(prompt, max_new_tokens=24, temperature=0).token_ids == expected
+
+
+def test_fourth_chat_turn_equals_a_fresh_model(model_path: Path) -> None:
+    """Reusing the conversation's cache gives exactly what reading it from scratch gives."""
+    messages = [{"role": "system", "content": "You are a helpful assistant. Be brief."}]
+    questions = ["Name a river.", "Which country is it in?", "Is it long?", "Name another."]
+    with edgeinfer.load(model_path, context_length=1024) as model:
+        for question in questions[:3]:
+            messages.append({"role": "user", "content": question})
+            reply = model.chat(messages, max_new_tokens=24, temperature=0)
+            messages.append({"role": "assistant", "content": reply.text})
+        messages.append({"role": "user", "content": questions[3]})
+        reused = model.chat(messages, max_new_tokens=24, temperature=0)
+    with edgeinfer.load(model_path, context_length=1024) as fresh:
+        expected = fresh.chat(messages, max_new_tokens=24, temperature=0)
+    assert reused.stats.reused_prompt_tokens > reused.stats.prompt_tokens // 2
+    assert reused.token_ids == expected.token_ids
