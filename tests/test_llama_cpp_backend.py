@@ -88,3 +88,27 @@ def test_stop_strings_on_real_output(default_model: Model) -> None:
 def test_unavailable_device_says_what_to_install(default_gguf: Path) -> None:
     with pytest.raises(edgeinfer.BackendUnavailableError, match="GPU"):
         edgeinfer.load(default_gguf, device="cuda")
+
+
+@pytest.mark.parametrize(
+    "prompt", ["Café, naïve, résumé, crème brûlée,", "Water boils at a temperature of"]
+)
+def test_stop_strings_inside_a_token_and_across_tokens(default_model: Model, prompt: str) -> None:
+    full = default_model.generate(prompt, max_new_tokens=24, temperature=0)
+    ids = list(full.token_ids)
+    bounds = [len(default_model.detokenize(ids[:i])) for i in range(len(ids) + 1)]
+    stops = []
+    for i in range(2, len(ids) - 1):  # not the first tokens: leave something before the stop
+        start, end, after = bounds[i], bounds[i + 1], bounds[i + 2]
+        if end - start >= 3 and "\ufffd" not in full.text[start:after]:
+            stops.append(full.text[start + 1 : end - 1])  # inside one token
+            stops.append(full.text[start + 1 : end + 1])  # from inside one token into the next
+            break
+    assert stops, f"no multi-character token in {full.text!r}"
+    for stop in stops:
+        cut_at = full.text.index(stop)
+        chunks = list(default_model.stream(prompt, max_new_tokens=24, temperature=0, stop=[stop]))
+        text = "".join(c.text for c in chunks)
+        assert text == full.text[:cut_at], stop
+        assert chunks[-1].finish_reason == "stop"
+        assert all("<|" not in c.text for c in chunks)  # no special token text
