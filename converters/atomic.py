@@ -16,7 +16,7 @@ from pathlib import Path
 from edgeinfer.errors import ConversionError
 from edgeinfer.manifest import PARTIAL_MARKER
 
-__all__ = ["atomic_output_dir", "remove_stale_partials"]
+__all__ = ["atomic_output_dir", "atomic_output_file", "remove_stale_partials"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,10 @@ def remove_stale_partials(out: Path) -> None:
         pid_text = candidate.name.rsplit("-", 1)[-1]
         if pid_text.isdigit() and not _pid_alive(int(pid_text)):
             logger.info("removing %s, left by an interrupted conversion", candidate)
-            shutil.rmtree(candidate, ignore_errors=True)
+            if candidate.is_dir():
+                shutil.rmtree(candidate, ignore_errors=True)
+            else:
+                candidate.unlink(missing_ok=True)
 
 
 @contextmanager
@@ -57,6 +60,25 @@ def atomic_output_dir(out: Path, *, overwrite: bool) -> Iterator[Path]:
         _replace(partial, out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+@contextmanager
+def atomic_output_file(out: Path, *, overwrite: bool) -> Iterator[Path]:
+    """Yield a path beside OUT to write; it becomes OUT only if the block succeeds."""
+    if out.exists() and not overwrite:
+        raise ConversionError(f"{out} exists; pass --overwrite to replace it")
+    if out.is_dir():
+        raise ConversionError(f"{out} is a folder; name a .gguf file")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(out)
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    partial.unlink(missing_ok=True)
+    try:
+        yield partial
+        _replace(partial, out)
+    except BaseException:
+        partial.unlink(missing_ok=True)
         raise
 
 

@@ -7,9 +7,12 @@ from pathlib import Path
 
 from edgeinfer.errors import ConversionError
 
-__all__ = ["ONNX_QUANTS", "ConvertConfig"]
+__all__ = ["GGUF_QUANTS", "ONNX_QUANTS", "ConvertConfig"]
 
 ONNX_QUANTS = ("fp32", "fp16", "int8", "int8wo", "int4")
+# f32/f16/bf16/q8_0 are written directly; the others by llama.cpp's quantizer from f16
+GGUF_QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_k_m", "q4_k_m", "q6_k")
+_DEFAULT_QUANT = {"onnx": "int8", "gguf": "f16"}
 
 
 @dataclass(frozen=True)
@@ -17,7 +20,7 @@ class ConvertConfig:
     src: Path
     out: Path
     to: str = "onnx"
-    quant: str = "int8"
+    quant: str | None = None  # None: int8 for ONNX, f16 for GGUF
     overwrite: bool = False
     allow_pickle: bool = False  # load .bin/.pt weights (pickle can run code: trusted files only)
     # int4 (MatMulNBits): blocks of 32 weights with a zero point each. Asymmetric blocks keep
@@ -35,12 +38,15 @@ class ConvertConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "src", Path(self.src).expanduser())
         object.__setattr__(self, "out", Path(self.out).expanduser())
-        if self.to != "onnx":
-            raise ConversionError(f"--to {self.to!r} is not supported; use onnx")
-        if self.quant not in ONNX_QUANTS:
+        if self.to not in _DEFAULT_QUANT:
+            raise ConversionError(f"--to {self.to!r} is not supported; use onnx or gguf")
+        if self.quant is None:
+            object.__setattr__(self, "quant", _DEFAULT_QUANT[self.to])
+        allowed = ONNX_QUANTS if self.to == "onnx" else GGUF_QUANTS
+        if self.quant not in allowed:
             raise ConversionError(
-                f"--quant {self.quant!r} is not an ONNX quantization; use one of "
-                f"{', '.join(ONNX_QUANTS)}"
+                f"--quant {self.quant!r} is not a {self.to.upper()} quantization; use one of "
+                f"{', '.join(allowed)}"
             )
         if self.int4_block_size not in (16, 32, 64, 128, 256):
             raise ConversionError("int4 block size must be 16, 32, 64, 128 or 256")

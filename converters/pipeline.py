@@ -29,7 +29,7 @@ _STAGES = 4
 @dataclass(frozen=True)
 class ConversionResult:
     path: Path
-    manifest: Manifest
+    manifest: Manifest | None  # ONNX folders; None for a GGUF file
     report: dict[str, Any]
 
 
@@ -38,12 +38,14 @@ def convert(
     out: str | PathLike[str],
     *,
     to: str = "onnx",
-    quant: str = "int8",
+    quant: str | None = None,
     overwrite: bool = False,
     on_stage: StageCallback | None = None,
     **options: Any,
 ) -> ConversionResult:
-    """Convert ``src`` (a .gguf file or a Hugging Face folder) into the model folder ``out``.
+    """Convert ``src`` (a .gguf file or a Hugging Face folder) into ``out``: an ONNX model
+    folder (``to="onnx"``, ``quant`` int8 by default) or one GGUF file (``to="gguf"``, f16 by
+    default; a GGUF ``src`` is quantized with llama.cpp's quantizer).
 
     The result is validated against the source; below the thresholds in ``options``
     (``min_top1_agreement``, ``min_greedy_agreement``) ConversionError is raised and nothing is
@@ -59,6 +61,10 @@ def convert(
 
 
 def convert_with(cfg: ConvertConfig, *, on_stage: StageCallback | None = None) -> ConversionResult:
+    if cfg.to == "gguf":
+        from .gguf_pipeline import convert_gguf
+
+        return convert_gguf(cfg, on_stage=on_stage)
     from .onnx_export import export_onnx, quantize_onnx, write_model_folder
     from .source import prepare_source
     from .validate import validate_conversion
@@ -106,15 +112,19 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 class _Stages:
-    def __init__(self, callback: StageCallback | None) -> None:
+    def __init__(self, callback: StageCallback | None, total: int = _STAGES) -> None:
         self._callback = callback or (lambda line: logger.info("%s", line))
         self._n = 0
+        self._total = total
         self._start = time.perf_counter()
 
     def __call__(self, what: str) -> None:
         self._n += 1
         elapsed = time.perf_counter() - self._start
-        self._callback(f"[{self._n}/{_STAGES}] {what} ({elapsed:.0f} s so far)")
+        self._callback(f"[{self._n}/{self._total}] {what} ({elapsed:.0f} s so far)")
+
+    def detail(self, line: str) -> None:
+        self._callback(line)
 
     def done(self, summary: str) -> None:
         elapsed = time.perf_counter() - self._start

@@ -24,7 +24,13 @@ from edgeinfer.model import Model
 
 from .config import ConvertConfig
 
-__all__ = ["VALIDATION_PROMPTS", "validate_conversion"]
+__all__ = [
+    "VALIDATION_PROMPTS",
+    "ModelReference",
+    "TransformersReference",
+    "compare",
+    "validate_conversion",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -43,43 +49,72 @@ VALIDATION_PROMPTS = (
 def validate_conversion(
     source: Path, folder: Path, manifest: Manifest, cfg: ConvertConfig
 ) -> dict[str, Any]:
-    """Compare the checkpoint in ``source`` with the converted model in ``folder``."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    """Compare the checkpoint in ``source`` with the converted ONNX model in ``folder``."""
     from edgeinfer.inventory import devices
     from edgeinfer.policy import plan_providers
     from edgeinfer.runtimes.onnxruntime import open_backend
 
-    reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    reference = TransformersReference(source)
     cpu = plan_providers(devices(), "onnx", "cpu").candidates[0]  # validation runs on the CPU
     config = LoadConfig(context_length=256, threads=cfg.threads)
     backend = open_backend(folder, config, manifest, cpu)
     model = Model(backend, name=folder.name, path=folder, model_format="onnx")
     try:
-        rows = [_compare(reference, model, p, cfg.validation_tokens) for p in VALIDATION_PROMPTS]
+        return compare(reference, model, cfg)
     finally:
         model.close()
+
+
+def compare(reference: Any, model: Model, cfg: ConvertConfig) -> dict[str, Any]:
+    """Compare ``model`` with ``reference`` (anything with ``run(ids, n, is_eos)`` returning
+    the greedy continuation and the next-token logits along it) on the fixed prompts."""
+    rows = [_compare(reference, model, p, cfg.validation_tokens) for p in VALIDATION_PROMPTS]
     return _report(rows, cfg)
 
 
-def _compare(reference: Any, model: Model, prompt: str, n: int) -> dict[str, Any]:
-    import torch
+class TransformersReference:
+    """The source checkpoint through transformers, in float32 (needs torch)."""
 
+    def __init__(self, folder: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self._torch = torch
+        self._model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    def run(self, ids: list[int], n: int, is_eos: Any) -> tuple[list[int], np.ndarray]:
+        torch = self._torch
+        with torch.no_grad():
+            out = self._model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            continuation = _until_eos([int(t) for t in out[0, len(ids) :]], is_eos)
+            forced = ids + continuation[:-1] if continuation else ids
+            # [positions, vocab]: the next-token logits after the prompt and each token
+            logits = self._model(torch.tensor([forced])).logits[0, len(ids) - 1 :]
+        return continuation, logits.float().numpy()
+
+
+class ModelReference:
+    """Another edgeinfer model as the reference (the unquantized GGUF, say): no torch."""
+
+    def __init__(self, model: Model) -> None:
+        self._model = model
+
+    def run(self, ids: list[int], n: int, is_eos: Any) -> tuple[list[int], np.ndarray]:
+        result = self._model.generate(ids, max_new_tokens=n, temperature=0)
+        continuation = _until_eos(list(result.token_ids), is_eos)
+        return continuation, _teacher_forced(self._model, ids, continuation[:-1])
+
+
+def _compare(reference: Any, model: Model, prompt: str, n: int) -> dict[str, Any]:
     ids = model.tokenize(prompt)
     eos = model._tokenizer.is_end_of_generation
-    with torch.no_grad():
-        out = reference.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        continuation = _until_eos([int(t) for t in out[0, len(ids) :]], eos)
-        full = torch.tensor([ids + continuation[:-1]]) if continuation else torch.tensor([ids])
-        # src: [positions, vocab], the next-token logits after the prompt and each token
-        src = reference(full).logits[0, len(ids) - 1 :].float().numpy()
+    continuation, src = reference.run(ids, n, eos)
     res = _teacher_forced(model, ids, continuation[:-1])
     greedy = model.generate(ids, max_new_tokens=max(len(continuation), 1), temperature=0)
     agree = _common_prefix(continuation, list(greedy.token_ids))
@@ -97,6 +132,7 @@ def _compare(reference: Any, model: Model, prompt: str, n: int) -> dict[str, Any
 def _teacher_forced(model: Model, prompt: list[int], forced: Sequence[int]) -> np.ndarray:
     backend = model._backend
     model._history.tokens = []
+    model._history.batched = 0
     backend.rewind(0)
     rows = [np.array(backend.prefill(prompt), dtype=np.float32)]
     for token in forced:

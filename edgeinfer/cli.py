@@ -138,22 +138,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_convert_parser(sub: Any) -> None:
+    from .converters.config import GGUF_QUANTS, ONNX_QUANTS
+
     p = sub.add_parser(
         "convert",
-        help="export and quantize a model to ONNX, validated against its source",
+        help="export and quantize a model to ONNX or GGUF, validated against its source",
         description="Convert SRC (a .gguf file or a Hugging Face folder with safetensors) into "
-        "the model folder OUT. The result is compared with the source on fixed prompts; below "
-        "the thresholds the conversion fails and OUT is not written.",
+        "OUT: an ONNX model folder (--to onnx) or one GGUF file (--to gguf; a GGUF SRC is "
+        "quantized with llama.cpp's quantizer). The result is compared with the source on "
+        "fixed prompts; below the thresholds the conversion fails and OUT is not written. "
+        "GGUF results get a report beside them, OUT.json.",
     )
     p.add_argument("src", metavar="SRC", help=".gguf file or Hugging Face model folder")
-    p.add_argument("-o", "--output", required=True, metavar="OUT", help="output model folder")
-    p.add_argument("--to", default="onnx", choices=["onnx"], help="target format")
+    p.add_argument(
+        "-o", "--output", required=True, metavar="OUT", help="output folder (ONNX) or file (GGUF)"
+    )
+    p.add_argument("--to", default="onnx", choices=["onnx", "gguf"], help="target format")
     p.add_argument(
         "--quant",
-        default="int8",
-        choices=["fp32", "fp16", "int8", "int8wo", "int4"],
-        help="fp32; fp16 (GPU); int8 (dynamic, weights and activations); int8wo "
-        "(8-bit weight-only); int4 (4-bit weight-only). Default: int8",
+        choices=[*ONNX_QUANTS, *(q for q in GGUF_QUANTS if q not in ONNX_QUANTS)],
+        help="ONNX: fp32; fp16 (GPU); int8 (dynamic, weights and activations; the default); "
+        "int8wo (8-bit weight-only); int4 (4-bit weight-only). GGUF: f32, f16 (the default), "
+        "bf16, q8_0 written directly; q4_0, q4_1, q5_k_m, q4_k_m, q6_k by llama.cpp",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument(

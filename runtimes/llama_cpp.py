@@ -10,7 +10,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +38,25 @@ _MAX_BATCH = 512  # tokens per llama_decode call during prefill
 _KV_ELEMENT_BYTES = 2  # llama.cpp's default KV cache type is f16
 
 
+_log_listeners: list[Callable[[str], None]] = []
+
+
 def _forward_engine_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
     message = text.decode("utf-8", errors="replace").rstrip()
     if message:
         _engine_log.debug(message)
+        for listener in list(_log_listeners):
+            listener(message)
+
+
+@contextmanager
+def engine_log_listener(listener: Callable[[str], None]) -> Iterator[None]:
+    """Also hand each llama.cpp log line to ``listener`` (for progress) within the block."""
+    _log_listeners.append(listener)
+    try:
+        yield
+    finally:
+        _log_listeners.remove(listener)
 
 
 @functools.cache

@@ -78,3 +78,23 @@ def default_onnx(default_checkpoint: Path) -> Callable[[str], Path]:
         return folder
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Llama checkpoint with a byte-level BPE tokenizer."""
+    pytest.importorskip("transformers", reason="needs the convert extra")
+    from .tiny_hf import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "hf")
+
+
+@pytest.fixture(scope="session")
+def default_gguf_f16(default_checkpoint: Path) -> Path:
+    """The default model's checkpoint written back as GGUF f16 by edgeinfer's own writer."""
+    from edgeinfer.converters import convert
+
+    out = _derived_dir() / "gguf" / "smollm2-f16.gguf"
+    if not out.is_file():
+        convert(default_checkpoint, out, to="gguf", quant="f16", overwrite=True)
+    return out

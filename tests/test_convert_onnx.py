@@ -16,16 +16,9 @@ import edgeinfer
 from edgeinfer import ConversionError, ModelLoadError
 from edgeinfer.manifest import MANIFEST_NAME, PARTIAL_MARKER
 
-from .tiny_hf import build_tiny_checkpoint
-
 pytest.importorskip("optimum.exporters.onnx", reason="needs the convert extra")
 
 PROMPTS = ["The capital of France is", "Café, naïve", "def add(a, b):", "你好", "Emoji: 🙂"]
-
-
-@pytest.fixture(scope="session")
-def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "hf")
 
 
 @pytest.fixture(scope="session")
