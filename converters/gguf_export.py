@@ -65,7 +65,13 @@ def write_gguf(
     checkpoint: Path, out: Path, outtype: str, *, progress: Progress | None = None
 ) -> dict[str, Any]:
     """Write the checkpoint folder as one GGUF file of ``outtype``; return what was done."""
-    import gguf
+    try:
+        import gguf
+    except ImportError as exc:
+        raise ConversionError(
+            "writing GGUF needs the gguf package (no torch): pip install gguf tokenizers, or "
+            "pip install 'edgeinfer[convert]'"
+        ) from exc
 
     say = progress or (lambda line: logger.info("%s", line))
     if outtype not in WRITER_TYPES:

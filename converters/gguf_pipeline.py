@@ -108,7 +108,10 @@ def _check_tokenizer(src: Path, model: Any, from_gguf: bool) -> dict[str, Any]:
     """The GGUF's tokenizer must give the source tokenizer's ids on a mixed-script text."""
     if from_gguf:
         return {"checked": False, "why": "quantization keeps the source's vocabulary"}
-    from tokenizers import Tokenizer
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return {"checked": False, "why": "the tokenizers library is not installed"}
 
     expected = (
         Tokenizer.from_file(str(src / "tokenizer.json"))
