@@ -34,7 +34,7 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale_partials(out: Path) -> None:
     """Delete partial folders of OUT left by conversions whose process no longer runs."""
     for candidate in out.parent.glob(f".{out.name}.partial-*"):
-        pid_text = candidate.name.rsplit("-", 1)[-1]
+        pid_text = candidate.name.rsplit("partial-", 1)[-1].split(".", 1)[0]
         if pid_text.isdigit() and not _pid_alive(int(pid_text)):
             logger.info("removing %s, left by an interrupted conversion", candidate)
             if candidate.is_dir():
@@ -84,8 +84,8 @@ def atomic_output_file(out: Path, *, overwrite: bool) -> Iterator[Path]:
 
 def _replace(partial: Path, out: Path) -> None:
     """Move ``partial`` onto ``out``; an existing OUT is kept until the new one is in place."""
-    if not out.exists():
-        os.replace(partial, out)
+    if not out.exists() or (out.is_file() and partial.is_file()):
+        os.replace(partial, out)  # a file is replaced in one step
         return
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     os.replace(out, old)

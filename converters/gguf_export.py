@@ -113,29 +113,31 @@ def write_gguf(
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     tokenizer = _add_tokenizer(writer, checkpoint, int(config["vocab_size"]))
 
-    with open_checkpoint(checkpoint) as index:
-        plan = _tensor_plan(index, n_layer, bool(config.get("tie_word_embeddings", False)))
-        qtypes = {}
-        for gguf_name, hf_name in plan:
-            shape = index.entries[hf_name].shape
-            qtype = _tensor_type(gguf, outtype, gguf_name, shape)
-            qtypes[gguf_name] = qtype
-            nbytes, stored_shape, dtype = _stored(gguf, shape, qtype)
-            writer.add_tensor_info(gguf_name, stored_shape, dtype, nbytes, raw_dtype=qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for i, (gguf_name, hf_name) in enumerate(plan, 1):
-            data = index.read(hf_name)
-            if arch in _PERMUTED and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
-                heads = n_head if gguf_name.endswith("attn_q.weight") else n_kv
-                data = interleave_rotary_rows(data, heads)
-            writer.write_tensor_data(_encode(gguf, data, qtypes[gguf_name]))
-            del data
-            index.release(hf_name)
-            if i % 16 == 0 or i == len(plan):
-                say(f"  wrote {i}/{len(plan)} tensors")
-    writer.close()
+    try:
+        with open_checkpoint(checkpoint) as index:
+            plan = _tensor_plan(index, n_layer, bool(config.get("tie_word_embeddings", False)))
+            qtypes = {}
+            for gguf_name, hf_name in plan:
+                shape = index.entries[hf_name].shape
+                qtype = _tensor_type(gguf, outtype, gguf_name, shape)
+                qtypes[gguf_name] = qtype
+                nbytes, stored_shape, dtype = _stored(gguf, shape, qtype)
+                writer.add_tensor_info(gguf_name, stored_shape, dtype, nbytes, raw_dtype=qtype)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for i, (gguf_name, hf_name) in enumerate(plan, 1):
+                data = index.read(hf_name)
+                if arch in _PERMUTED and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+                    heads = n_head if gguf_name.endswith("attn_q.weight") else n_kv
+                    data = interleave_rotary_rows(data, heads)
+                writer.write_tensor_data(_encode(gguf, data, qtypes[gguf_name]))
+                del data
+                index.release(hf_name)
+                if i % 16 == 0 or i == len(plan):
+                    say(f"  wrote {i}/{len(plan)} tensors")
+    finally:
+        writer.close()
     return {
         "method": outtype,
         "architecture": arch,
@@ -279,7 +281,7 @@ def _add_tokenizer(writer: Any, checkpoint: Path, n_vocab: int) -> dict[str, Any
         writer.add_unk_token_id(special["unk"])
     if special["pad"] is not None:
         writer.add_pad_token_id(special["pad"])
-    add_bos = bool(cfg.get("add_bos_token", False))
+    add_bos = _adds_bos(spec, cfg, special["bos"], tokens)
     writer.add_add_bos_token(add_bos)
     writer.add_add_eos_token(bool(cfg.get("add_eos_token", False)))
     template = cfg.get("chat_template")
@@ -290,6 +292,25 @@ def _add_tokenizer(writer: Any, checkpoint: Path, n_vocab: int) -> dict[str, Any
         writer.add_chat_template(template)
     return {"model": "gpt2", "pre": pre, "tokens": size, "merges": len(merges),
             "add_bos": add_bos, **{f"{k}_id": v for k, v in special.items()}}  # fmt: skip
+
+
+def _adds_bos(
+    spec: dict[str, Any], cfg: dict[str, Any], bos: int | None, tokens: list[str]
+) -> bool:
+    """Whether the tokenizer puts BOS before a text: tokenizer_config's add_bos_token when
+    present, else whether tokenizer.json's post-processor template starts with it (Llama 3)."""
+    if "add_bos_token" in cfg:
+        return bool(cfg["add_bos_token"])
+    if bos is None:
+        return False
+    post = spec.get("post_processor") or {}
+    steps = post.get("processors", [post]) if isinstance(post, dict) else []
+    for step in steps:
+        single = step.get("single") if isinstance(step, dict) else None
+        if single:
+            first = single[0].get("SpecialToken", {}) if isinstance(single[0], dict) else {}
+            return first.get("id") == tokens[bos]
+    return False
 
 
 def _is_byte_level(spec: dict[str, Any]) -> bool:

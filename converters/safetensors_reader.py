@@ -95,6 +95,15 @@ class SafetensorsIndex:
 @contextmanager
 def open_checkpoint(folder: Path) -> Iterator[SafetensorsIndex]:
     files = sorted(folder.glob("*.safetensors"))
+    index_file = folder / "model.safetensors.index.json"
+    if index_file.is_file():  # sharded: the index names the files (not consolidated.* copies)
+        try:
+            weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
+            files = sorted({folder / str(f) for f in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConversionError(f"{index_file} is not a safetensors index: {exc}") from exc
+    elif len(files) > 1:
+        files = [f for f in files if not f.name.startswith("consolidated")]
     if not files:
         raise ConversionError(f"{folder} has no .safetensors files")
     entries: dict[str, TensorEntry] = {}
@@ -121,18 +130,23 @@ def _read_header(path: Path) -> list[TensorEntry]:
             header = json.loads(fh.read(length))
         except ValueError as exc:
             raise ConversionError(f"{path}: unreadable safetensors header ({exc})") from exc
+    if not isinstance(header, dict):
+        raise ConversionError(f"{path}: the safetensors header is not a JSON object")
     base = 8 + length
     entries = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = info.get("dtype")
+        dtype = info.get("dtype") if isinstance(info, dict) else None
         if dtype not in _DTYPES:
             raise ConversionError(f"{path.name}: tensor {name} has dtype {dtype}, not supported")
-        start, end = (int(x) for x in info["data_offsets"])
+        offsets, shape = info.get("data_offsets"), info.get("shape")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and isinstance(shape, list)):
+            raise ConversionError(f"{path.name}: tensor {name} has no valid offsets and shape")
+        start, end = (int(x) for x in offsets)
         if not 0 <= start <= end <= size - base:
             raise ConversionError(f"{path.name}: tensor {name} lies outside the file")
         entries.append(
-            TensorEntry(name, dtype, tuple(info["shape"]), path, base + start, base + end)
+            TensorEntry(name, dtype, tuple(int(d) for d in shape), path, base + start, base + end)
         )
     return entries

@@ -23,6 +23,7 @@ class Turns:
         self._issued = 0  # next ticket to hand out
         self._serving = 0  # ticket whose turn it is
         self._abandoned: set[int] = set()
+        self._owner: int | None = None  # thread whose request is running
 
     @contextmanager
     def turn(self, *, wait: bool = True) -> Iterator[None]:
@@ -40,6 +41,11 @@ class Turns:
 
     def _take(self, wait: bool) -> int:
         with self._cond:
+            if self._owner == threading.get_ident():
+                raise ModelBusyError(
+                    "this thread is still inside an unfinished stream of this model; finish or "
+                    "close it first (stream.close(), or use 'with model.stream(...) as s:')"
+                )
             if not wait and self._issued != self._serving:
                 raise ModelBusyError(
                     "the model is serving another request; wait for it (wait=True, the "
@@ -54,11 +60,13 @@ class Turns:
                 self._abandoned.add(ticket)
                 self._advance()
                 raise
+            self._owner = threading.get_ident()
             return ticket
 
     def _done(self, ticket: int) -> None:
         with self._cond:
             if ticket == self._serving:
+                self._owner = None
                 self._serving += 1
                 self._advance()
 

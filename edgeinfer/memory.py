@@ -138,9 +138,9 @@ def parse_size(value: int | str) -> int:
     if isinstance(value, str):
         match = _SIZE.match(value)
         if match and match.group(2).lower() in _UNITS:
-            size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-            if size > 0:
-                return size
+            number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+            if 0 < number < 2**62:
+                return int(number)
     raise InvalidRequestError(
         f"memory_budget={value!r} is invalid: expected bytes or a size such as '512MB' or '1.5GiB'"
     )

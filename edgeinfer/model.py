@@ -241,10 +241,18 @@ class Model:
     def _locked(
         self, ids: list[int], sampler: Sampler, cancel: threading.Event, keep: int, wait: bool
     ) -> Iterator[Chunk]:
-        """Serve one request in its turn (taken when iteration starts)."""
+        """Serve one request in its turn (taken when iteration starts). The turn ends before
+        the final chunk is handed out, so a consumer that stops there holds nothing."""
+        final: Chunk | None = None
         with self._turns.turn(wait=wait):
             self._require_open()
             slide_keep = keep if self._slide else None
-            yield from generation.run(
+            for chunk in generation.run(
                 self._backend, self._history, ids, sampler, cancel, slide_keep
-            )
+            ):
+                if chunk.finish_reason is not None:
+                    final = chunk
+                    break
+                yield chunk
+        if final is not None:
+            yield final

@@ -153,6 +153,8 @@ def _normalise(preference: str) -> str:
         return lowered
     if lowered in ("dml", "directml"):
         return "directml"
+    if lowered == CPU_PROVIDER.lower():
+        return "cpu"
     if lowered.endswith("executionprovider"):
         return wish
     raise InvalidRequestError(
@@ -337,7 +339,7 @@ def _onnx(inv: DeviceInventory, wish: str) -> tuple[list[Candidate], list[Skippe
                 )
         elif wish == "directml":
             skipped.append(Skipped(_DML, f"DirectML is Windows only; this is {inv.os}"))
-    if wish.endswith("ExecutionProvider"):
+    if wish.lower().endswith("executionprovider"):
         provider = next((p for p in inv.ort_providers if p.lower() == wish.lower()), wish)
         if provider == CPU_PROVIDER:
             return [], [], cpu

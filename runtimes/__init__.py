@@ -56,12 +56,14 @@ def open_backend(
         }
         try:
             backend: Backend = opener(source.path, config, source.header, candidate)
-        except EdgeInferError as exc:
-            chain.append({**entry, "outcome": "failed", "error": str(exc)})
-            logger.debug("%s failed for %s: %s", candidate.provider, source.name, exc)
-            if index == len(plan.candidates) - 1:
+        except Exception as exc:  # an accelerator path may fail in its own way: try the next
+            chain.append({**entry, "outcome": "failed", "error": str(exc) or type(exc).__name__})
+            logger.debug("%s failed for %s: %r", candidate.provider, source.name, exc)
+            if index < len(plan.candidates) - 1:
+                continue
+            if isinstance(exc, EdgeInferError):
                 raise _with_chain(exc, chain) from exc
-            continue
+            raise
         chain.append({**entry, "outcome": "chosen"})
         chain += [
             {"provider": s.provider, "outcome": "unavailable", "reason": s.reason}

@@ -117,8 +117,12 @@ class OrtBackend:
             options.enable_mem_pattern = False  # DirectML requires it off
         if provider == _TRT and "trt_engine_cache_path" not in provider_options:
             cache = edgeinfer_home() / "cache" / "tensorrt"
-            cache.mkdir(parents=True, exist_ok=True)
-            provider_options["trt_engine_cache_path"] = str(cache)
+            try:
+                cache.mkdir(parents=True, exist_ok=True)
+                provider_options["trt_engine_cache_path"] = str(cache)
+            except OSError as exc:  # no cache: TensorRT rebuilds its engine on every load
+                logger.warning("TensorRT engine cache disabled: cannot create %s: %s", cache, exc)
+                provider_options["trt_engine_cache_enable"] = False
         providers: list[Any] = [(provider, provider_options)]
         if provider != CPU_PROVIDER:
             providers.append(CPU_PROVIDER)  # for the nodes the accelerator does not take

@@ -208,3 +208,30 @@ def test_writer_peak_memory_stays_below_the_checkpoint(
     peak = int(done.stdout.strip().splitlines()[-1])
     checkpoint = sum(p.stat().st_size for p in default_checkpoint.glob("*.safetensors"))
     assert peak < checkpoint, (peak, checkpoint)
+
+
+def test_bos_flag_follows_the_post_processor_when_the_config_is_silent() -> None:
+    from edgeinfer.converters.gguf_export import _adds_bos
+
+    tokens = ["<|begin_of_text|>", "a"]
+    llama3 = {"post_processor": {"type": "Sequence", "processors": [
+        {"type": "ByteLevel"},
+        {"type": "TemplateProcessing", "single": [
+            {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}}]},
+    ]}}  # fmt: skip
+    assert _adds_bos(llama3, {}, 0, tokens) is True
+    assert _adds_bos(llama3, {"add_bos_token": False}, 0, tokens) is False
+    assert _adds_bos({}, {}, 0, tokens) is False
+
+
+def test_a_killed_conversions_leftovers_are_swept(tmp_path: Path) -> None:
+    from edgeinfer.converters.atomic import remove_stale_partials
+
+    out = tmp_path / "m.gguf"
+    dead = 2**22 + 12345  # no such process
+    left = [tmp_path / f".m.gguf.partial-{dead}", tmp_path / f".m.gguf.partial-{dead}.f16"]
+    for path in left:
+        path.write_bytes(b"x")
+    remove_stale_partials(out)
+    assert not any(p.exists() for p in left)

@@ -426,3 +426,10 @@ def test_corrupt_model_error_is_not_masked_by_the_chain(
     with pytest.raises(edgeinfer.ModelLoadError) as info:
         edgeinfer.load(bad)
     assert "also tried llama.cpp:CUDA" in str(info.value)
+
+
+def test_provider_names_in_any_case() -> None:
+    inv = machine("x86-rtx4090")
+    assert providers(inv, "onnx", "CPUExecutionProvider") == [CPU]
+    assert providers(inv, "onnx", "cudaexecutionprovider") == ["CUDAExecutionProvider"]
+    assert providers(inv, "gguf", "CPUExecutionProvider") == [LCPU]

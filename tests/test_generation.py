@@ -253,3 +253,23 @@ def test_a_waiter_that_gives_up_does_not_block_the_others() -> None:
     with turns.turn(wait=False):  # the abandoned ticket was skipped
         assert turns.busy
     assert not turns.busy
+
+
+def test_the_same_thread_asking_again_gets_an_error_not_a_hang() -> None:
+    model, _ = make()
+    held = model.stream("hello", max_new_tokens=50, temperature=0)
+    next(held)  # this thread is inside an unfinished stream
+    with pytest.raises(ModelBusyError, match="unfinished stream"):
+        model.generate("world", max_new_tokens=3)
+    held.close()
+    assert model.generate("world", max_new_tokens=3).token_ids
+
+
+def test_the_turn_ends_before_the_final_chunk() -> None:
+    model, _ = make()
+    stream = model.stream("hello", max_new_tokens=5, temperature=0)
+    for chunk in stream:
+        if chunk.finish_reason is not None:
+            break  # stopped at the final chunk without exhausting the iterator
+    assert not model._turns.busy
+    assert model.generate("again", max_new_tokens=3).token_ids

@@ -269,3 +269,9 @@ def test_onnx_int8_peak_rss_stays_within_the_budget(default_onnx: Any) -> None:
         assert out["peak"] <= parse_size(budget), out
         contexts.append(out["context"])
     assert contexts == sorted(contexts) and contexts[0] >= 256
+
+
+def test_absurd_sizes_are_invalid_not_a_crash() -> None:
+    for bad in ("1" * 400, "1e400GB", "99999999999TB"):
+        with pytest.raises(InvalidRequestError):
+            parse_size(bad)
