@@ -6,6 +6,7 @@ context, then report the plan (context, batch, total and its parts) and the peak
 
     python benchmarks/bench_memory.py                      # default GGUF model, budgets
     python benchmarks/bench_memory.py --grid               # contexts x batches (calibration)
+    python benchmarks/bench_memory.py --parts              # RSS after each import/load step
     python benchmarks/bench_memory.py --model DIR --budgets 400MB 512MB 1GB
 
 Linux only (VmHWM). Writes benchmarks/results/memory.json (or --out).
@@ -47,6 +48,53 @@ with edgeinfer.load(model, threads=2, **kw) as llm:
 """
 
 
+PARTS = r"""
+import json, sys
+from pathlib import Path
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+steps = {"python": rss()}
+import edgeinfer
+from edgeinfer.loader import resolve
+from edgeinfer.memory import peak_rss
+steps["import edgeinfer (numpy, psutil)"] = rss()
+source = resolve(sys.argv[1])
+if source.format == "gguf":
+    import edgeinfer.runtimes.llama_cpp as backend
+    backend._engine()
+    steps["llama.cpp engine"] = rss()
+else:
+    import onnxruntime, tokenizers
+    steps["onnxruntime + tokenizers"] = rss()
+    tokenizers.Tokenizer.from_file(str(source.path / source.header.tokenizer_file))
+    steps["tokenizer.json loaded"] = rss()
+model = edgeinfer.load(sys.argv[1], context_length=256, threads=2)
+steps["model loaded (context 256)"] = rss()
+print(json.dumps({"steps": steps, "plan": model.info["memory_plan"], "peak": peak_rss()}))
+"""
+
+
+def parts(model: str) -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", PARTS, model], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        print(done.stderr[-2000:], file=sys.stderr)
+        return 1
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    previous = 0
+    for step, value in out["steps"].items():
+        print(f"{step:<36} RSS {value / 2**20:7.1f} MiB  (+{(value - previous) / 2**20:6.1f})")
+        previous = value
+    plan = out["plan"]
+    terms = ("process", "weights", "engine", "kv_cache", "compute", "headroom", "total")
+    print("plan at context 256: " + ", ".join(f"{t} {plan[t] / 2**20:.1f} MiB" for t in terms))
+    print(f"peak RSS after loading: {out['peak'] / 2**20:.1f} MiB")
+    return 0
+
+
 def run_case(model: str, budget: str, ctx: str, batch: str, fill: float) -> dict[str, Any]:
     done = subprocess.run(
         [sys.executable, "-c", CHILD, model, budget, ctx, batch, str(fill)],
@@ -73,9 +121,12 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--budgets", nargs="*", default=["192MB", "256MB", "512MB", "1GB"])
     ap.add_argument("--grid", action="store_true", help="contexts x batches, no budget")
+    ap.add_argument("--parts", action="store_true", help="RSS after each import and load step")
     ap.add_argument("--fill", type=float, default=0.95, help="prompt share of the context")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "memory.json")
     args = ap.parse_args()
+    if args.parts:
+        return parts(args.model)
     cases: list[tuple[str, str, str]] = []
     if args.grid:
         cases = [("-", str(c), str(b)) for c in (512, 2048, 8192) for b in (64, 512)]

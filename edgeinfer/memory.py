@@ -25,9 +25,10 @@ The constants below were measured on the development machine (x86-64, Linux, Pyt
 llama-cpp-python 0.3.36, onnxruntime 1.32) with the default model (SmolLM2-135M: GGUF Q4_1
 and its ONNX conversions): the per-context and per-batch terms from
 ``python benchmarks/bench_memory.py --grid`` (contexts 512..8192 x batches 64/512, no budget;
-add ``--model DIR`` for an ONNX folder), the fixed terms from the resident set measured
-after each import and load step. ``python benchmarks/bench_memory.py`` checks the plan
-against the measured peak under budgets. Other architectures, vocabularies and platforms
+add ``--model DIR`` for an ONNX folder), the fixed terms from the resident set after each
+import and load step (``python benchmarks/bench_memory.py --parts [--model DIR]``).
+``python benchmarks/bench_memory.py`` checks the plan against the measured peak under
+budgets. Other architectures, vocabularies and platforms
 were not measured: the weights, KV and score terms scale with the model's own metadata,
 the fixed terms do not.
 """
