@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InvalidRequestError, MemoryBudgetError
-from .inventory import DeviceInventory, RecordedProbe, build_inventory, devices
+from .inventory import (
+    DeviceInventory,
+    MachineProbe,
+    RecordedProbe,
+    RecordingProbe,
+    build_inventory,
+    devices,
+)
 from .memory import FRESH_PROCESS_BYTES, MemoryPlan, plan_memory, shape_of
 from .policy import plan_providers
 
@@ -39,6 +46,12 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--context-length", type=int, metavar="N", help="plan for this context")
     p.add_argument(
+        "--record",
+        metavar="FILE",
+        type=Path,
+        help="write this machine's raw facts (the --inventory format) to FILE, for tests",
+    )
+    p.add_argument(
         "--inventory",
         metavar="FILE",
         type=Path,
@@ -47,6 +60,12 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
+    if args.record:
+        recorder = RecordingProbe(MachineProbe())
+        build_inventory(recorder)
+        args.record.write_text(json.dumps(recorder.record, indent=1, ensure_ascii=False) + "\n")
+        print(args.record)
+        return 0
     inventory = _recorded(args.inventory) if args.inventory else devices()
     plan = None
     source_text = ""

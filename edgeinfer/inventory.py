@@ -34,6 +34,7 @@ __all__ = [
     "MachineProbe",
     "Probe",
     "RecordedProbe",
+    "RecordingProbe",
     "build_inventory",
     "devices",
 ]
@@ -270,6 +271,81 @@ class MachineProbe:
         except Exception as exc:
             logger.debug("openvino did not list its devices: %s", exc)
             return None
+
+
+class RecordingProbe:
+    """Wraps a probe and writes down every fact it hands out, in ``RecordedProbe``'s format:
+    ``edgeinfer devices --record FILE`` captures a real machine for the tests this way."""
+
+    def __init__(self, inner: Probe) -> None:
+        self._inner = inner
+        self.record: dict[str, Any] = {"files": {}, "sysctl": {}}
+
+    def _keep(self, key: str, value: Any) -> Any:
+        self.record[key] = value
+        return value
+
+    def system(self) -> str:
+        return str(self._keep("system", self._inner.system()))
+
+    def machine(self) -> str:
+        return str(self._keep("machine", self._inner.machine()))
+
+    def release(self) -> str:
+        return str(self._keep("release", self._inner.release()))
+
+    def read(self, path: str) -> str | None:
+        value = self._inner.read(path)
+        self.record["files"][path] = value  # None too: replayed listings stay the same
+        return value
+
+    def listdir(self, path: str) -> list[str]:
+        return self._inner.listdir(path)  # replayed from the paths read under it
+
+    def sysctl(self, name: str) -> str | None:
+        value = self._inner.sysctl(name)
+        self.record["sysctl"][name] = value
+        return value
+
+    def windows_cpu(self) -> tuple[str, list[str]]:
+        name, features = self._inner.windows_cpu()
+        self.record["windows_cpu"] = {"name": name, "features": list(features)}
+        return name, features
+
+    def memory(self) -> tuple[int, int]:
+        total, available = self._inner.memory()
+        self.record["memory"] = {"total": total, "available": available}
+        return total, available
+
+    def cores(self) -> tuple[int, int]:
+        physical, logical = self._inner.cores()
+        self.record["cores"] = {"physical": physical, "logical": logical}
+        return physical, logical
+
+    def nvidia_smi(self) -> str | None:
+        value = self._inner.nvidia_smi()
+        return None if value is None else str(self._keep("nvidia_smi", value))
+
+    def onnxruntime(self) -> tuple[str, list[str]] | None:
+        value = self._inner.onnxruntime()
+        if value is not None:
+            self.record["onnxruntime"] = {"version": value[0], "providers": list(value[1])}
+        return value
+
+    def llama_cpp(self) -> tuple[str, bool, list[Accelerator]] | None:
+        value = self._inner.llama_cpp()
+        if value is not None:
+            devices = [{k: v for k, v in asdict(d).items() if k != "source"} for d in value[2]]
+            self.record["llama_cpp"] = {
+                "version": value[0], "gpu_offload": value[1], "devices": devices
+            }  # fmt: skip
+        return value
+
+    def openvino_devices(self) -> list[str] | None:
+        value = self._inner.openvino_devices()
+        if value is not None:
+            self.record["openvino_devices"] = list(value)
+        return value
 
 
 class RecordedProbe:

@@ -433,3 +433,20 @@ def test_provider_names_in_any_case() -> None:
     assert providers(inv, "onnx", "CPUExecutionProvider") == [CPU]
     assert providers(inv, "onnx", "cudaexecutionprovider") == ["CUDAExecutionProvider"]
     assert providers(inv, "gguf", "CPUExecutionProvider") == [LCPU]
+
+
+def test_recording_this_machine_replays_to_the_same_inventory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from edgeinfer.inventory import MachineProbe, RecordingProbe
+
+    recorder = RecordingProbe(MachineProbe())
+    live = build_inventory(recorder)
+    replayed = build_inventory(RecordedProbe(json.loads(json.dumps(recorder.record))))
+    assert replayed == live
+    assert "/proc/cpuinfo" in recorder.record["files"]
+    out = tmp_path / "this-machine.json"
+    assert cli.main(["devices", "--record", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    inv = build_inventory(RecordedProbe(json.loads(out.read_text())))
+    assert inv.cpu_model == live.cpu_model and inv.ort_providers == live.ort_providers
