@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -139,6 +138,5 @@ def _is_gguf(path: Path) -> bool:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    partial.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(partial, path)
+    with atomic_output_file(path, overwrite=True) as partial:
+        partial.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -229,12 +229,8 @@ def _gguf(inv: DeviceInventory, wish: str) -> tuple[list[Candidate], list[Skippe
             )
         )
     if wish == "auto" and not found:
-        return [], skipped if _has_gpu_hardware(inv) else [], cpu
+        return [], skipped if inv.gpus else [], cpu  # a hint only where there is a GPU
     return found, skipped, cpu
-
-
-def _has_gpu_hardware(inv: DeviceInventory) -> bool:
-    return bool(inv.gpus)
 
 
 def _llama_gpu_missing(inv: DeviceInventory, backend: str | None) -> Skipped:
