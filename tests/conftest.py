@@ -98,3 +98,23 @@ def default_gguf_f16(default_checkpoint: Path) -> Path:
     if not out.is_file():
         convert(default_checkpoint, out, to="gguf", quant="f16", overwrite=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_gguf(tiny_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama written as an f32 GGUF by edgeinfer's own writer."""
+    from edgeinfer.converters import convert
+
+    out = tmp_path_factory.mktemp("tiny-llama-gguf") / "tiny-f32.gguf"
+    convert(tiny_hf, out, to="gguf", quant="f32")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_onnx(tiny_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama converted to an fp32 ONNX folder."""
+    from edgeinfer.converters import convert
+
+    out = tmp_path_factory.mktemp("tiny-llama-onnx") / "fp32"
+    convert(tiny_hf, out, quant="fp32")
+    return out
