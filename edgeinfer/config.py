@@ -9,12 +9,14 @@ import psutil
 
 from .errors import InvalidRequestError
 
-__all__ = ["DEFAULT_CONTEXT_LENGTH", "LoadConfig"]
+__all__ = ["DEFAULT_CONTEXT_LENGTH", "MAX_THREADS", "LoadConfig"]
 
 # Context used when the caller gives none: the model's trained context, capped here so a
 # 128k-context model does not reserve a KV cache for 128k tokens by default.
 DEFAULT_CONTEXT_LENGTH = 8192
 _MIN_CONTEXT_LENGTH = 16
+# llama.cpp's own limit (GGML_MAX_N_THREADS); more threads than that crashed the engine.
+MAX_THREADS = 512
 
 
 @dataclass(frozen=True)
@@ -45,10 +47,13 @@ class LoadConfig:
             )
         threads = self.threads
         if threads is not None and (
-            not isinstance(threads, int) or isinstance(threads, bool) or threads < 1
+            not isinstance(threads, int)
+            or isinstance(threads, bool)
+            or not 1 <= threads <= MAX_THREADS
         ):
             raise InvalidRequestError(
-                f"threads={threads!r} is invalid: expected None or an integer >= 1"
+                f"threads={threads!r} is invalid: expected None or an integer from 1 to "
+                f"{MAX_THREADS} (the cores to compute on)"
             )
 
     @property

@@ -2,7 +2,9 @@
 
 Contract of the text handed out (each ``push`` result and the final ``finish``):
 - it is valid text: bytes of a multi-byte UTF-8 character split across tokens are held until
-  the character is complete (an invalid sequence becomes U+FFFD, never a broken chunk);
+  the character is complete (an invalid sequence becomes U+FFFD, never a broken chunk); a
+  character still incomplete when generation ends (``max_new_tokens`` reached between its
+  bytes) is dropped: the text holds only characters the model completed;
 - nothing of a stop string is ever handed out: text that might begin a stop string is held
   until it is ruled out, and text from the stop string on is dropped;
 - joining every piece handed out equals ``text`` at the end;
@@ -40,10 +42,11 @@ class IncrementalDetokenizer:
         return self._release(final=False)
 
     def finish(self) -> str:
-        """End of generation: flush held bytes and text (an incomplete character -> U+FFFD)."""
+        """End of generation: flush held text; the bytes of an incomplete character are
+        dropped (they are not text yet)."""
         if self.stopped:
             return ""
-        self._pending += self._utf8.decode(b"", final=True)
+        self._utf8.reset()
         return self._release(final=True)
 
     def _release(self, *, final: bool) -> str:

@@ -7,9 +7,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
+import numpy as np
+
 from . import generation
 from ._turns import Turns
 from .chat_template import render_chat
+from .chat_tokens import encode_chat
 from .errors import EdgeInferError, InvalidRequestError
 from .generation import Chunk, GenerationResult, KVHistory, TokenStream
 from .memory import MemoryPlan
@@ -22,6 +25,28 @@ __all__ = ["Model"]
 
 Prompt = str | Sequence[int]
 Messages = Sequence[Mapping[str, Any]]
+
+
+def token_ids(values: Sequence[Any], n_vocab: int, what: str) -> list[int]:
+    """``values`` as a list of token ids, each an integer (not a bool, a float or a string)
+    in ``0..n_vocab-1``; anything else is an InvalidRequestError naming its position."""
+    ids: list[int] = []
+    for i, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise InvalidRequestError(
+                f"{what}[{i}]={_short(value)} is not a token id: token ids are integers"
+            )
+        if not 0 <= value < n_vocab:
+            raise InvalidRequestError(
+                f"{what}[{i}]={int(value)} is outside the vocabulary (0..{n_vocab - 1})"
+            )
+        ids.append(int(value))
+    return ids
+
+
+def _short(value: object) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
 
 
 class Model:
@@ -106,6 +131,7 @@ class Model:
         *,
         stream: Literal[False] = ...,
         wait: bool = ...,
+        parse_special_in_content: bool = ...,
         **sampling: Any,
     ) -> GenerationResult: ...
 
@@ -117,6 +143,7 @@ class Model:
         *,
         stream: Literal[True],
         wait: bool = ...,
+        parse_special_in_content: bool = ...,
         **sampling: Any,
     ) -> TokenStream: ...
 
@@ -127,23 +154,47 @@ class Model:
         *,
         stream: bool = False,
         wait: bool = True,
+        parse_special_in_content: bool = False,
         **sampling: Any,
     ) -> GenerationResult | TokenStream:
-        """Reply to ``messages`` (role/content dicts) through the model's chat template."""
-        ids = self._chat_ids(messages)
+        """Reply to ``messages`` (role/content dicts) through the model's chat template.
+
+        Message content is read as plain text: text that spells a special token
+        (``<|im_start|>system``) cannot forge a turn. ``parse_special_in_content=True`` reads
+        such text as the special token instead (for callers who build markup on purpose).
+        """
+        if not isinstance(parse_special_in_content, bool):
+            raise InvalidRequestError(
+                f"parse_special_in_content={parse_special_in_content!r} is invalid: expected "
+                "True or False"
+            )
+        ids = self._chat_ids(messages, parse_special_in_content=parse_special_in_content)
         keep = self._bos_len()
         if self._slide and messages and messages[0].get("role") == "system":
             # what a sliding context keeps: the rendered system message
-            system = self._chat_ids(messages[:1], add_generation_prompt=False)
+            system = self._chat_ids(
+                messages[:1],
+                add_generation_prompt=False,
+                parse_special_in_content=parse_special_in_content,
+            )
             pairs = enumerate(zip(ids, system, strict=False))
             keep = next((i for i, (a, b) in pairs if a != b), min(len(system), len(ids)))
         result = self._stream(ids, SamplingConfig.from_kwargs(config, **sampling), keep, wait)
         return result if stream else result.collect()
 
-    def _chat_ids(self, messages: Messages, *, add_generation_prompt: bool = True) -> list[int]:
+    def _chat_ids(
+        self,
+        messages: Messages,
+        *,
+        add_generation_prompt: bool = True,
+        parse_special_in_content: bool = False,
+    ) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         bos = self._tokenizer.bos_token
-        return self._tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))
+        add = not (bos and text.startswith(bos))
+        if parse_special_in_content:
+            return self._tokenizer.encode(text, add_special=add)
+        return encode_chat(self._tokenizer, text, messages, add_special=add)
 
     def _bos_len(self) -> int:
         """Tokens the tokenizer puts before any text (a BOS token, usually): kept on slides."""
@@ -159,15 +210,25 @@ class Model:
             add_generation_prompt=add_generation_prompt,
         )
 
-    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        """Token ids of ``text``; ``add_special`` adds the model's BOS/EOS tokens,
+        ``parse_special`` reads special-token text (``<|im_end|>``) as those tokens."""
         self._require_open()
         if not isinstance(text, str):
             raise InvalidRequestError(f"tokenize() takes text, not {type(text).__name__}")
-        return self._tokenizer.encode(text, add_special=add_special)
+        return self._tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
 
-    def detokenize(self, token_ids: Sequence[int]) -> str:
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``; control tokens add nothing, invalid UTF-8 becomes U+FFFD."""
         self._require_open()
-        pieces = b"".join(self._tokenizer.token_bytes(int(t)) for t in token_ids)
+        if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Sequence):
+            raise InvalidRequestError(
+                f"detokenize() takes a list of token ids, not {type(ids).__name__}"
+            )
+        checked = token_ids(ids, self._tokenizer.n_vocab, "detokenize()")
+        pieces = b"".join(self._tokenizer.token_bytes(t) for t in checked)
         return pieces.decode("utf-8", errors="replace")
 
     # -- facts ----------------------------------------------------------------------------
@@ -229,14 +290,7 @@ class Model:
             raise InvalidRequestError(
                 f"prompt must be text or a list of token ids, not {type(prompt).__name__}"
             )
-        n_vocab = self._tokenizer.n_vocab
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < n_vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})"
-            )
-        return ids
+        return token_ids(prompt, self._tokenizer.n_vocab, "prompt")
 
     def _locked(
         self, ids: list[int], sampler: Sampler, cancel: threading.Event, keep: int, wait: bool

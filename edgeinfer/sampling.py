@@ -4,6 +4,12 @@ The sampler works on the last position's logits (float32, shape [vocab]) with nu
 Python loop touches the vocabulary. Order of the transforms: logit bias, repetition penalty,
 temperature, top-k, top-p, min-p, then a draw from what is left. ``temperature=0`` is greedy
 (argmax after bias and penalty).
+
+Defined edge cases: a temperature so small that it underflows float32 (below ~1.2e-38) samples
+as if it were that smallest normal float32 (effectively greedy); biases are bounded by
+``MAX_LOGIT_BIAS`` and ``-inf`` bans a token; a ``logit_bias`` banning every token is refused;
+logits that are NaN or infinite at the chosen token raise ``BackendUnavailableError`` instead of
+handing out a meaningless token.
 """
 
 from __future__ import annotations
@@ -15,9 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidRequestError
+from .errors import BackendUnavailableError, InvalidRequestError
 
-__all__ = ["Sampler", "SamplingConfig"]
+__all__ = ["MAX_LOGIT_BIAS", "Sampler", "SamplingConfig"]
+
+MAX_LOGIT_BIAS = 1e6  # |bias| above this is refused (float32 logits + bias would overflow)
+# Temperatures are applied in float32: smaller ones are raised to its smallest normal number.
+_MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
 
 # The first candidate set tried for top-p; grown 4x until it holds the nucleus.
 _TOP_P_FIRST_GUESS = 64
@@ -32,7 +42,10 @@ def _is_number(value: object) -> bool:
 
 
 def _bad(name: str, value: object, expected: str) -> InvalidRequestError:
-    return InvalidRequestError(f"{name}={value!r} is invalid: expected {expected}")
+    shown = repr(value)
+    if len(shown) > 80:  # a huge argument is named, not echoed whole
+        shown = shown[:77] + "..."
+    return InvalidRequestError(f"{name}={shown} is invalid: expected {expected}")
 
 
 @dataclass(frozen=True)
@@ -55,8 +68,7 @@ class SamplingConfig:
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is None:
             object.__setattr__(self, "stop", ())
-        if isinstance(self.logit_bias, Mapping):
-            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self._validate_numbers()
         self._validate_collections()
 
@@ -84,14 +96,6 @@ class SamplingConfig:
         if not isinstance(stops, Sequence) or not all(isinstance(s, str) and s for s in stops):
             raise _bad("stop", stops, "a string or a list of non-empty strings")
         object.__setattr__(self, "stop", tuple(stops))
-        for pair in self.logit_bias:
-            if len(pair) != 2 or not _is_int(pair[0]) or not _is_number(pair[1]):
-                raise _bad("logit_bias", dict(self.logit_bias), "a mapping token id -> number")
-            banned = pair[1] == -math.inf
-            if pair[0] < 0 or not (math.isfinite(pair[1]) or banned):
-                raise _bad(
-                    "logit_bias", dict(self.logit_bias), "ids >= 0, finite biases (-inf bans)"
-                )
 
     @classmethod
     def from_kwargs(cls, base: SamplingConfig | None = None, **kwargs: Any) -> SamplingConfig:
@@ -110,6 +114,31 @@ class SamplingConfig:
         return self.temperature == 0
 
 
+def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted (id, bias) pairs, from a mapping or a sequence of pairs."""
+    if value is None:
+        return ()
+    if isinstance(value, Mapping):
+        items: list[Any] = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise _bad("logit_bias", value, "a mapping token id -> bias")
+    expected = f"token ids >= 0 mapped to biases within +-{MAX_LOGIT_BIAS:g}, or -inf to ban"
+    pairs: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise _bad("logit_bias", value, expected)
+        token, bias = item
+        if not _is_int(token) or token < 0 or not _is_number(bias):
+            raise _bad("logit_bias", value, expected)
+        bias = float(bias)
+        if not (abs(bias) <= MAX_LOGIT_BIAS or bias == -math.inf):
+            raise _bad("logit_bias", value, expected)
+        pairs[int(token)] = bias
+    return tuple(sorted(pairs.items()))
+
+
 def _top_k(x: np.ndarray, k: int, peak: np.floating) -> np.ndarray:
     """Ids of the k largest logits (exact). Logits are first narrowed to those within 10 of
     the maximum, a few hundred in practice, so the selection does not scan the vocabulary
@@ -120,6 +149,17 @@ def _top_k(x: np.ndarray, k: int, peak: np.floating) -> np.ndarray:
     if near.size > k:
         return near[np.argpartition(x[near], near.size - k)[near.size - k :]]
     return np.argpartition(x, x.size - k)[x.size - k :]
+
+
+def _finite_choice(x: np.ndarray, token: int) -> int:
+    """``token`` if its logit is a finite number, else an error (NaN/inf from the engine)."""
+    value = x[token]
+    if np.isfinite(value):
+        return token
+    raise BackendUnavailableError(
+        f"no token has a finite logit (the best is {float(value)}, token {token}): the "
+        "model's weights are damaged or the engine failed; re-download or re-convert the model"
+    )
 
 
 class Sampler:
@@ -135,21 +175,34 @@ class Sampler:
                 f"logit_bias names token id {int(self._bias_ids.max())}, but the vocabulary "
                 f"has {vocab_size} tokens (ids 0..{vocab_size - 1})"
             )
+        banned = {i for i, b in config.logit_bias if b == -math.inf}
+        if len(banned) >= vocab_size:
+            raise InvalidRequestError(
+                "logit_bias bans every token of the vocabulary (-inf for all ids); leave at "
+                "least one token allowed"
+            )
         self._needs_copy = bool(self._bias_ids.size) or config.repetition_penalty != 1.0
+        self._temperature = np.float32(max(config.temperature, _MIN_TEMPERATURE))
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """logits: float32 [vocab] (may be an engine-owned view; it is never written)."""
         cfg = self.config
         if not self._needs_copy:
             if cfg.greedy:
-                return int(np.argmax(logits))
+                return _finite_choice(logits, int(np.argmax(logits)))
             x = logits.astype(np.float32)  # a copy: the engine's buffer stays untouched
         else:
             x = np.array(logits, dtype=np.float32)
             self._apply_bias_and_penalty(x, history)
             if cfg.greedy:
-                return int(np.argmax(x))
-        x /= np.float32(cfg.temperature)
+                return _finite_choice(x, int(np.argmax(x)))
+        peak = x.max()
+        if not np.isfinite(peak):  # NaN anywhere, or +inf
+            _finite_choice(x, int(np.argmax(x)))
+        # shifted before scaling: (x - peak) / T is <= 0, so a tiny T cannot overflow to NaN
+        x -= peak
+        with np.errstate(over="ignore"):  # far-below-peak logits become -inf: probability 0
+            x /= self._temperature
         ids, probs = self._filter(x)
         return int(ids[self._draw(probs)])
 

@@ -10,6 +10,7 @@ callers that keep them must copy.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -17,7 +18,41 @@ import numpy as np
 
 from edgeinfer.errors import InvalidRequestError
 
-__all__ = ["Backend", "Tokenizer", "TokenizerBase", "check_fits"]
+__all__ = ["TOKEN_TEXT_RULE", "Backend", "Tokenizer", "TokenizerBase", "check_fits", "is_marker"]
+
+TOKEN_TEXT_RULE = """Which tokens are text (the same rule for every vocabulary):
+- normal tokens: their text; byte tokens (<0xHH>, byte-level BPE): their byte;
+- control, unknown and unused tokens (GGUF token types 3, 2, 5), and tokenizer.json added
+  tokens marked special: nothing;
+- user-defined tokens (GGUF type 4) and non-special added tokens: their text (whitespace runs,
+  HTML tags), unless the text is a marker: a name in angle or square brackets that is not an
+  HTML element (<start_of_image>, <unused12>, <|tool_call|>), or an upper-case name in square
+  brackets ([INST], [IMG]) -- nothing."""
+
+# HTML element names: user-defined tokens such as <table> or </td> are text models write.
+_HTML_ELEMENTS = frozenset(
+    "a abbr address area article aside audio b base bdi bdo blockquote body br button canvas "
+    "caption cite code col colgroup data datalist dd del details dfn dialog div dl dt em embed "
+    "fieldset figcaption figure footer form h1 h2 h3 h4 h5 h6 head header hr html i iframe img "
+    "input ins kbd label legend li link main map mark meta meter nav noscript object ol "
+    "optgroup option output p param picture pre progress q rp rt ruby s samp script section "
+    "select small source span strong style sub summary sup table tbody td template textarea "
+    "tfoot th thead time title tr track u ul var video wbr".split()
+)
+_MARKER = re.compile(r"^(?:<\|?/?([^<>\s]+?)\|?/?>|\[/?[A-Z][A-Z0-9_]*\])$")
+
+
+def is_marker(text: str) -> bool:
+    """True for a token text that marks structure rather than spelling words: a name in angle
+    brackets that is not an HTML element (``<start_of_image>``, ``<|im_start|>``; but
+    ``<table>``, ``</td>``, ``<br/>`` are text), or an upper-case name in square brackets
+    (``[INST]``; but ``[i]`` is text)."""
+    match = _MARKER.match(text)
+    if match is None:
+        return False
+    if match.group(1) is not None and "|" not in text:
+        return match.group(1).lower() not in _HTML_ELEMENTS
+    return True
 
 
 @runtime_checkable
@@ -39,14 +74,19 @@ class Tokenizer(Protocol):
     def chat_template(self) -> str | None:
         """The model's Jinja chat template, or None if it has none."""
 
-    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
-        """Token ids of ``text``; special-token text (``<|im_start|>``) maps to its id.
+    def encode(
+        self, text: str, *, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        """Token ids of ``text``.
 
-        ``add_special`` adds the BOS/EOS tokens the model is configured to add.
+        ``add_special`` adds the BOS/EOS tokens the model is configured to add;
+        ``parse_special`` maps special-token text (``<|im_start|>``) to its id, else such text
+        is read as plain characters.
         """
 
     def token_bytes(self, token_id: int) -> bytes:
-        """UTF-8 bytes one token contributes to the text; ``b""`` for control tokens."""
+        """UTF-8 bytes one token contributes to the text; ``b""`` for tokens that are not
+        text (see ``TOKEN_TEXT_RULE``)."""
 
     def is_end_of_generation(self, token_id: int) -> bool:
         """True for tokens that end a reply (EOS, end-of-turn)."""

@@ -27,7 +27,7 @@ from edgeinfer.errors import (
 from edgeinfer.gguf_file import GGUFHeader
 from edgeinfer.policy import Candidate
 
-from .base import TokenizerBase, check_fits
+from .base import TokenizerBase, check_fits, is_marker
 
 __all__ = ["LlamaCppBackend", "LlamaCppTokenizer", "open_backend"]
 
@@ -36,6 +36,11 @@ _engine_log = logging.getLogger(__name__ + ".engine")
 
 _MAX_BATCH = 512  # tokens per llama_decode call during prefill
 _KV_ELEMENT_BYTES = 2  # llama.cpp's default KV cache type is f16
+# llama_token_attr bits (llama.h): a token's GGUF type as llama.cpp reads it
+_ATTR_UNKNOWN = 1 << 0
+_ATTR_UNUSED = 1 << 1
+_ATTR_CONTROL = 1 << 3
+_ATTR_USER_DEFINED = 1 << 4
 
 
 _log_listeners: list[Callable[[str], None]] = []
@@ -108,19 +113,30 @@ class LlamaCppTokenizer(TokenizerBase):
         """Called when the engine model is freed: later calls raise instead of crashing."""
         self._vocab = None
 
-    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+    def encode(
+        self, text: str, *, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
         data = text.encode("utf-8", errors="replace")
         capacity = len(data) + 8
         while True:
             buf = (self._llama.llama_token * capacity)()
             n = self._llama.llama_tokenize(
-                self._live_vocab(), data, len(data), buf, capacity, add_special, True
+                self._live_vocab(), data, len(data), buf, capacity, add_special, parse_special
             )
             if n >= 0:
                 return list(buf[:n])
             capacity = -n
 
     def _piece(self, token_id: int) -> bytes:
+        """The token's bytes under ``TOKEN_TEXT_RULE``, decided by its GGUF token type."""
+        llama = self._llama
+        attr = int(llama.llama_vocab_get_attr(self._live_vocab(), token_id))
+        if attr & (_ATTR_CONTROL | _ATTR_UNKNOWN | _ATTR_UNUSED):
+            return b""
+        if attr & _ATTR_USER_DEFINED:
+            raw = llama.llama_vocab_get_text(self._live_vocab(), token_id) or b""
+            if is_marker(raw.decode("utf-8", errors="replace")):
+                return b""
         size = 32
         while True:
             buf = ctypes.create_string_buffer(size)

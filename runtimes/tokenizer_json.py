@@ -8,6 +8,7 @@ byte with one printable character (the GPT-2 alphabet); SentencePiece-style voca
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 from edgeinfer.errors import BackendUnavailableError, ModelLoadError
 
-from .base import TokenizerBase
+from .base import TokenizerBase, is_marker
 
 __all__ = ["JsonTokenizer"]
 
@@ -76,8 +77,15 @@ class JsonTokenizer(TokenizerBase):
             for component in (self._tok.pre_tokenizer, self._tok.decoder)
         )
         added = self._tok.get_added_tokens_decoder()
-        self._special = {int(i) for i, t in added.items() if t.special}
+        # TOKEN_TEXT_RULE: special added tokens, markers among the others, and the unknown
+        # token are not text
+        self._special = {int(i) for i, t in added.items() if t.special or is_marker(t.content)}
         self._added_text = {int(i): str(t.content) for i, t in added.items() if not t.special}
+        unk = getattr(self._tok.model, "unk_token", None)
+        unk_id = self._tok.token_to_id(unk) if isinstance(unk, str) else None
+        if unk_id is not None:
+            self._special.add(int(unk_id))
+        self._plain_lock = threading.Lock()  # encode_special_tokens is the tokenizer's state
         self._eos = frozenset(int(t) for t in eos_token_ids)
         super().__init__(
             n_vocab=n_vocab or self._tok.get_vocab_size(with_added_tokens=True),
@@ -86,8 +94,15 @@ class JsonTokenizer(TokenizerBase):
             chat_template=chat_template,
         )
 
-    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special).ids)
+    def encode(
+        self, text: str, *, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        with self._plain_lock:
+            self._tok.encode_special_tokens = not parse_special
+            try:
+                return list(self._tok.encode(text, add_special_tokens=add_special).ids)
+            finally:
+                self._tok.encode_special_tokens = False
 
     def _piece(self, token_id: int) -> bytes:
         if token_id in self._special:

@@ -36,7 +36,9 @@ class FakeTokenizer:
     def eos_token(self) -> str | None:
         return "</s>"
 
-    def encode(self, text: str, *, add_special: bool = True) -> list[int]:
+    def encode(
+        self, text: str, *, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
         return list(text.encode("utf-8"))
 
     def token_bytes(self, token_id: int) -> bytes:
