@@ -18,8 +18,25 @@ from .errors import ModelLoadError
 GGUF_MAGIC = b"GGUF"
 _SUPPORTED_VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
+_MAX_ALIGNMENT = 1 << 20
+_MAX_DIMS = 8
 # Arrays longer than this (vocabularies, merges) are skipped, not materialised.
 _MAX_ARRAY_KEPT = 1024
+# Strings longer than this (a whole tokenizer.json some converters embed) are skipped too.
+_MAX_STRING_KEPT = 1 << 20
+# Metadata the planner and the backends read as numbers: (key suffix -> largest sane value).
+# Present keys must hold one non-negative integer; per-layer arrays are not supported.
+_ARCH_INT_LIMITS = {
+    "block_count": 1 << 12,
+    "context_length": 1 << 24,
+    "embedding_length": 1 << 17,
+    "attention.head_count": 1 << 12,
+    "attention.head_count_kv": 1 << 12,
+    "attention.key_length": 1 << 14,
+    "attention.value_length": 1 << 14,
+    "vocab_size": 1 << 22,
+}
+_TEXT_KEYS = ("general.architecture", "tokenizer.chat_template")
 
 # GGUF metadata value types -> struct format (None: variable length).
 _SCALAR_FORMATS = {
@@ -83,6 +100,13 @@ class ArrayInfo:
 
 
 @dataclass(frozen=True)
+class StringInfo:
+    """A metadata string too long to keep in memory: its length in bytes."""
+
+    length: int
+
+
+@dataclass(frozen=True)
 class TensorInfo:
     name: str
     shape: tuple[int, ...]
@@ -134,9 +158,15 @@ class _Cursor:
     def _need(self, n: int) -> None:
         if n < 0 or self.pos + n > len(self._buf):
             raise ModelLoadError(
-                f"{self._path}: GGUF header is truncated or corrupt (needs {n} bytes at offset "
-                f"{self.pos}, file has {len(self._buf)}); re-download or re-convert the model"
+                f"{self._path}: GGUF header is truncated or corrupt (needs {n:,} bytes at offset "
+                f"{self.pos:,}, file has {len(self._buf):,}); re-download or re-convert the model"
             )
+
+    def corrupt(self, why: str) -> ModelLoadError:
+        return ModelLoadError(
+            f"{self._path}: GGUF header is corrupt at offset {self.pos:,}: {why}; re-download "
+            "or re-convert the model"
+        )
 
     def unpack(self, fmt: str) -> Any:
         size = struct.calcsize(fmt)
@@ -145,13 +175,28 @@ class _Cursor:
         self.pos += size
         return value
 
-    def string(self) -> str:
-        raw = self.raw_string()
-        return raw.decode("utf-8", errors="replace")
-
-    def raw_string(self) -> bytes:
+    def string(self) -> str | StringInfo:
+        """A string value; invalid UTF-8 is replaced (some vocabularies hold such tokens)."""
         length = self.unpack("<Q")
         self._need(length)
+        if length > _MAX_STRING_KEPT:
+            self.pos += length
+            return StringInfo(length)
+        return self._take(length).decode("utf-8", errors="replace")
+
+    def name(self, what: str) -> str:
+        """A key or tensor name: short, valid UTF-8."""
+        length = self.unpack("<Q")
+        self._need(length)
+        if length > 65535:
+            raise self.corrupt(f"a {what} of {length:,} bytes")
+        raw = self._take(length)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise self.corrupt(f"a {what} that is not UTF-8 ({raw[:40]!r})") from exc
+
+    def _take(self, length: int) -> bytes:
         raw = self._buf[self.pos : self.pos + length]
         self.pos += length
         return raw
@@ -168,23 +213,27 @@ class _Cursor:
             return self.string()
         if value_type == _ARRAY:
             return self.array()
-        raise ModelLoadError(f"{self._path}: unknown GGUF metadata type {value_type}")
+        raise self.corrupt(f"unknown metadata value type {value_type}")
 
     def array(self) -> list[Any] | ArrayInfo:
         element_type = self.unpack("<I")
         length = self.unpack("<Q")
+        if element_type == _ARRAY:  # llama.cpp refuses them too
+            raise self.corrupt("an array of arrays")
+        if element_type != _STRING and element_type not in _SCALAR_FORMATS:
+            raise self.corrupt(f"an array of unknown type {element_type}")
+        # every element takes at least this many bytes: a huge length fails here, at once
+        smallest = 8 if element_type == _STRING else struct.calcsize(_SCALAR_FORMATS[element_type])
+        self._need(length * smallest)
         if length <= _MAX_ARRAY_KEPT:
             return [self.value(element_type) for _ in range(length)]
         if element_type in _SCALAR_FORMATS:
             nbytes = length * struct.calcsize(_SCALAR_FORMATS[element_type])
             self._need(nbytes)
             self.pos += nbytes
-        elif element_type == _STRING:
-            for _ in range(length):
-                self.skip_string()
         else:
             for _ in range(length):
-                self.value(element_type)
+                self.skip_string()
         return ArrayInfo(element_type, length)
 
 
@@ -214,27 +263,83 @@ def _parse(buf: mmap.mmap, path: Path, file_size: int) -> GGUFHeader:
         raise ModelLoadError(f"{path}: GGUF version {version} is not supported (2 or 3 are)")
     n_tensors = cur.unpack("<Q")
     n_kv = cur.unpack("<Q")
-    if n_tensors > file_size or n_kv > file_size:
-        raise ModelLoadError(f"{path}: GGUF header is corrupt (absurd tensor or key count)")
-    metadata: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = cur.string()
-        metadata[key] = cur.value(cur.unpack("<I"))
-    tensors = tuple(_read_tensor_info(cur) for _ in range(n_tensors))
-    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT)) or _DEFAULT_ALIGNMENT
+    # a key takes >= 12 bytes, a tensor entry >= 24: larger counts cannot fit in the file
+    if n_tensors * 24 > file_size or n_kv * 12 > file_size:
+        raise cur.corrupt(f"{n_tensors:,} tensors and {n_kv:,} keys cannot fit in the file")
+    metadata = _read_metadata(cur, n_kv)
+    alignment = _alignment(cur, metadata)
+    tensors = _read_tensor_table(cur, n_tensors, alignment)
     data_offset = -(-cur.pos // alignment) * alignment
     header = GGUFHeader(path, version, file_size, data_offset, metadata, tensors)
     _check_complete(header)
     return header
 
 
+def _read_metadata(cur: _Cursor, n_kv: int) -> dict[str, Any]:
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.name("key")
+        if key in metadata:
+            raise cur.corrupt(f"key {key!r} appears twice")
+        metadata[key] = cur.value(cur.unpack("<I"))
+    _check_known_values(cur, metadata)
+    return metadata
+
+
+def _check_known_values(cur: _Cursor, metadata: dict[str, Any]) -> None:
+    """The values edgeinfer itself reads must have the type and range it reads them as."""
+    for key in _TEXT_KEYS:
+        if key in metadata and not isinstance(metadata[key], str):
+            raise cur.corrupt(f"{key} must be a string of at most {_MAX_STRING_KEPT:,} bytes")
+    arch = metadata.get("general.architecture", "unknown")
+    for suffix, high in _ARCH_INT_LIMITS.items():
+        key = f"{arch}.{suffix}"
+        value = metadata.get(key, 0)
+        if type(value) is not int or not 0 <= value <= high:
+            shown = repr(value) if not isinstance(value, list) else f"a list of {len(value)}"
+            raise cur.corrupt(f"{key}={shown[:60]} must be an integer from 0 to {high:,}")
+
+
+def _alignment(cur: _Cursor, metadata: dict[str, Any]) -> int:
+    alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if type(alignment) is not int or not 0 < alignment <= _MAX_ALIGNMENT:
+        raise cur.corrupt(f"general.alignment={alignment!r:.60} is not a sane alignment")
+    if alignment & (alignment - 1):
+        raise cur.corrupt(f"general.alignment={alignment} is not a power of two")
+    return alignment
+
+
+def _read_tensor_table(cur: _Cursor, n_tensors: int, alignment: int) -> tuple[TensorInfo, ...]:
+    tensors: list[TensorInfo] = []
+    names: set[str] = set()
+    for _ in range(n_tensors):
+        tensor = _read_tensor_info(cur)
+        if tensor.name in names:
+            raise cur.corrupt(f"tensor {tensor.name!r} appears twice")
+        if tensor.offset % alignment:
+            raise cur.corrupt(
+                f"tensor {tensor.name!r} starts at {tensor.offset:,}, not a multiple of the "
+                f"alignment {alignment}"
+            )
+        names.add(tensor.name)
+        tensors.append(tensor)
+    return tuple(tensors)
+
+
 def _read_tensor_info(cur: _Cursor) -> TensorInfo:
-    name = cur.string()
+    name = cur.name("tensor name")
     n_dims = cur.unpack("<I")
-    if n_dims > 8:
-        raise ModelLoadError(f"tensor {name!r} has {n_dims} dimensions; the header is corrupt")
+    if n_dims > _MAX_DIMS:
+        raise cur.corrupt(f"tensor {name!r} has {n_dims} dimensions")
     shape = tuple(cur.unpack("<Q") for _ in range(n_dims))
-    return TensorInfo(name, shape, cur.unpack("<I"), cur.unpack("<Q"))
+    tensor = TensorInfo(name, shape, cur.unpack("<I"), cur.unpack("<Q"))
+    block = GGML_BLOCK_SIZES.get(tensor.ggml_type)
+    if block is not None and shape and shape[0] % block[0]:
+        raise cur.corrupt(
+            f"tensor {name!r} has rows of {shape[0]} elements, not a multiple of its type's "
+            f"block of {block[0]}"
+        )
+    return tensor
 
 
 def _check_complete(header: GGUFHeader) -> None:
