@@ -10,6 +10,7 @@ through numpy; only the last position's logits are handed to the sampler.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,11 @@ from edgeinfer.errors import (
     InvalidRequestError,
     ModelLoadError,
 )
-from edgeinfer.manifest import Manifest
+from edgeinfer.manifest import MANIFEST_NAME, Architecture, Manifest, resolve_inside
 from edgeinfer.policy import CPU_PROVIDER, Candidate
 
 from .base import check_fits
+from .onnx_external import external_data_locations
 from .tokenizer_json import JsonTokenizer
 
 __all__ = ["OrtBackend", "open_backend"]
@@ -36,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 _PREFILL_CHUNK = 256  # tokens per run during prefill: bounds the [chunk, vocab] logits buffer
 _KV_BYTES = {"float32": 4, "float16": 2}
+_ORT_KV_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16"}
+_PAST_KEY = re.compile(r"past_key_values\.\d+\.key")
+_MAX_TEMPLATE_BYTES = 1 << 20  # real templates are a few KB
 _DML = "DmlExecutionProvider"
 _TRT = "TensorrtExecutionProvider"
 
@@ -66,7 +71,7 @@ class OrtBackend:
         self._arch = arch
         self._threads = config.resolved_threads
         self._chunk = config.batch_size or _PREFILL_CHUNK
-        self._session = self._open_session(folder / manifest.model_file, candidate)
+        self._session = self._open_session(_model_path(folder, manifest), candidate)
         self._n_ctx = config.context_for(arch.max_context)
         self._has_position_ids = any(i.name == "position_ids" for i in self._session.get_inputs())
         self._kv_type = np.float16 if arch.kv_dtype == "float16" else np.float32
@@ -83,13 +88,14 @@ class OrtBackend:
         self._n_past = 0
         self.rewind(0)
         self.tokenizer = JsonTokenizer(
-            folder / manifest.tokenizer_file,
+            _regular_file(folder, manifest.tokenizer_file, "tokenizer_file"),
             eos_token_ids=manifest.eos_token_ids,
             bos_token=manifest.bos_token,
             eos_token=manifest.eos_token,
             chat_template=_read_optional(folder, manifest.chat_template_file),
             n_vocab=arch.vocab_size,
         )
+        _check_tokenizer_size(self.tokenizer, folder / manifest.tokenizer_file, arch)
         self._info = {
             "backend": "onnxruntime",
             "engine_version": ort.__version__,
@@ -145,8 +151,11 @@ class OrtBackend:
         return session
 
     def _check_graph(self) -> None:
-        inputs = {i.name for i in self._session.get_inputs()}
-        outputs = {o.name for o in self._session.get_outputs()}
+        """The graph must take and return what the manifest says, before anything runs: a
+        mismatch would otherwise surface at generation as an error blaming the request."""
+        inputs = {i.name: i for i in self._session.get_inputs()}
+        outputs = {o.name: o for o in self._session.get_outputs()}
+        _check_layer_count(inputs, self._arch)
         missing = [n for n in ("input_ids", "attention_mask", *self._past_names) if n not in inputs]
         missing += [n for n in ("logits", *self._present_names) if n not in outputs]
         if missing:
@@ -154,6 +163,10 @@ class OrtBackend:
                 f"the ONNX graph is not a decoder with a KV cache edgeinfer can drive: it lacks "
                 f"{', '.join(missing[:4])}"
             )
+        _check_int64_inputs(inputs)
+        _check_static_dim(outputs["logits"], 2, "vocab_size", self._arch.vocab_size)
+        for name in self._past_names:
+            _check_kv_input(inputs[name], self._arch)
 
     @property
     def n_ctx(self) -> int:
@@ -249,7 +262,107 @@ class OrtBackend:
         self._past = []
 
 
+def _model_path(folder: Path, manifest: Manifest) -> Path:
+    """The graph's real path, once it and every external data file it names are known to lie
+    inside ``folder`` (onnxruntime before 1.24 follows ``../`` in external data locations)."""
+    path = _regular_file(folder, manifest.model_file, "model_file")
+    base = path.parent.relative_to(folder.resolve())
+    for location in external_data_locations(path):
+        name = (base / location).as_posix()
+        data = resolve_inside(folder, name, "external data location", where=str(path))
+        if not data.is_file():
+            raise ModelLoadError(
+                f"{path}: its external data file {location!r} is missing or not a regular "
+                "file; the model folder is incomplete"
+            )
+    return path
+
+
+def _regular_file(folder: Path, name: str, key: str) -> Path:
+    """The real path of a file the manifest names; it must be a regular file in ``folder``
+    (not a FIFO, which would block the load forever)."""
+    path = resolve_inside(folder, name, key)
+    if not path.is_file():
+        raise ModelLoadError(
+            f"{MANIFEST_NAME}: {key}={name!r} is missing or not a regular file; the model "
+            "folder is incomplete"
+        )
+    return path
+
+
+def _graph_error(field: str, value: Any, graph_says: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"{MANIFEST_NAME}: architecture.{field}={value!r} disagrees with the ONNX graph, whose "
+        f"{graph_says}; the manifest does not belong to this graph — re-convert the model"
+    )
+
+
+def _check_layer_count(inputs: dict[str, Any], arch: Architecture) -> None:
+    layers = sum(1 for name in inputs if _PAST_KEY.fullmatch(name))
+    if layers != arch.num_layers:
+        raise _graph_error("num_layers", arch.num_layers, f"has {layers} past_key_values layers")
+
+
+def _check_int64_inputs(inputs: dict[str, Any]) -> None:
+    for name in ("input_ids", "attention_mask", "position_ids"):
+        if name in inputs and inputs[name].type != "tensor(int64)":
+            raise ModelLoadError(
+                f"the ONNX graph's {name} is {inputs[name].type}; edgeinfer feeds tensor(int64)"
+            )
+
+
+def _check_static_dim(node: Any, axis: int, field: str, expected: int) -> None:
+    """``node``'s dimension ``axis`` must equal ``expected`` where the graph fixes it."""
+    shape = list(node.shape or [])
+    if len(shape) <= axis:
+        raise ModelLoadError(f"the ONNX graph's {node.name} has shape {shape}; expected more axes")
+    dim = shape[axis]
+    if isinstance(dim, int) and dim > 0 and dim != expected:
+        raise _graph_error(field, expected, f"{node.name} has {dim} on axis {axis}")
+
+
+def _check_kv_input(node: Any, arch: Architecture) -> None:
+    # past_key_values.N.key/value: [batch, kv_heads, past, head_dim]
+    if len(node.shape or []) != 4:
+        raise ModelLoadError(
+            f"the ONNX graph's {node.name} has shape {node.shape}; expected "
+            "[batch, kv_heads, past, head_dim]"
+        )
+    _check_static_dim(node, 1, "num_kv_heads", arch.num_kv_heads)
+    _check_static_dim(node, 3, "head_dim", arch.head_dim)
+    graph_type = _ORT_KV_TYPES.get(node.type, node.type)
+    if graph_type != arch.kv_dtype:
+        raise _graph_error("kv_dtype", arch.kv_dtype, f"{node.name} is {node.type}")
+
+
+def _check_tokenizer_size(tokenizer: JsonTokenizer, path: Path, arch: Architecture) -> None:
+    """Every id the tokenizer can produce must have a row in the graph's logits."""
+    size = tokenizer.size
+    if size > arch.vocab_size:
+        raise ModelLoadError(
+            f"{MANIFEST_NAME}: architecture.vocab_size={arch.vocab_size} is smaller than the "
+            f"tokenizer {path.name} ({size} ids); the manifest or tokenizer does not belong to "
+            "this model — re-convert it"
+        )
+
+
 def _read_optional(folder: Path, name: str | None) -> str | None:
-    if not name or not (folder / name).is_file():
+    """The chat template's text; None when the manifest names none or the file is absent."""
+    if name is None:
         return None
-    return (folder / name).read_text(encoding="utf-8")
+    path = resolve_inside(folder, name, "chat_template_file")
+    if not path.is_file():
+        return None
+    try:
+        if path.stat().st_size > _MAX_TEMPLATE_BYTES:
+            raise ModelLoadError(
+                f"{MANIFEST_NAME}: chat_template_file={name!r} is larger than "
+                f"{_MAX_TEMPLATE_BYTES:,} bytes; that is not a chat template"
+            )
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ModelLoadError(
+            f"{MANIFEST_NAME}: chat_template_file={name!r} is not UTF-8 text: {exc}"
+        ) from exc
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read the chat template {path}: {exc}") from exc

@@ -123,3 +123,9 @@ class JsonTokenizer(TokenizerBase):
 
     def is_end_of_generation(self, token_id: int) -> bool:
         return token_id in self._eos
+
+    @property
+    def size(self) -> int:
+        """One past the largest id the tokenizer can produce (the graph needs that many rows)."""
+        added = self._tok.get_added_tokens_decoder()
+        return max([self._tok.get_vocab_size(with_added_tokens=True), *(i + 1 for i in added)])
