@@ -243,3 +243,20 @@ def test_a_huge_claimed_array_fails_at_once(scratch: Path) -> None:
     with pytest.raises(ModelLoadError, match="truncated"):
         read_gguf_header(_kv_file(scratch, entry))
     assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        _s(b"llama.block_count") + struct.pack("<I", 8) + _s(b"many"),
+        _s(b"llama.attention.head_count") + struct.pack("<IIQ", 9, 4, 2) + b"\1\0\0\0" * 2,
+        _s(b"llama.embedding_length") + struct.pack("<Id", 12, 576.0),
+    ],
+)
+def test_load_refuses_sizes_the_planner_cannot_read(scratch: Path, entry: bytes) -> None:
+    """These reached the memory planner's int() as TypeError/ValueError before."""
+    import edgeinfer
+
+    arch = _s(b"general.architecture") + struct.pack("<I", 8) + _s(b"llama")
+    with pytest.raises(ModelLoadError, match=r"llama\.\w"):
+        edgeinfer.load(_kv_file(scratch, arch, entry, tail=b"\0" * 64))

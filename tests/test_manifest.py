@@ -428,6 +428,33 @@ def test_external_data_locations_equal_what_onnx_finds(tmp_path: Path) -> None:
     assert external_data_locations(tmp_path / "inline" / "model.onnx") == []
 
 
+@settings(max_examples=300, deadline=1000, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6),
+    cut=st.one_of(st.none(), st.integers(0, 10**6)),
+    noise=st.binary(max_size=64),
+)
+def test_damaged_graphs_give_locations_or_model_load_error(
+    scratch: Path, edits: list[tuple[int, int]], cut: int | None, noise: bytes
+) -> None:
+    """The protobuf walk over a mutated graph: a list of names, or ModelLoadError."""
+    from edgeinfer.runtimes.onnx_external import external_data_locations
+
+    source = scratch / "walk" / "model.onnx"
+    if not source.is_file():
+        make_folder(source.parent, external=True)
+    data = bytearray(source.read_bytes())
+    for where, byte in edits:
+        data[where % len(data)] = byte
+    data = data[: cut % (len(data) + 1)] if cut is not None else data + noise
+    target = scratch / "walk-fuzz.onnx"
+    target.write_bytes(bytes(data) or b"\0")
+    try:
+        assert all(isinstance(x, str) for x in external_data_locations(target))
+    except ModelLoadError:
+        pass
+
+
 @pytest.mark.parametrize("data", [b"\x0a\xff\xff\xff\xff\x0f", b"\x3a\x05abc", b"\xff" * 12])
 def test_a_damaged_graph_is_a_model_load_error(tmp_path: Path, data: bytes) -> None:
     folder = make_folder(tmp_path / "m")
