@@ -508,7 +508,7 @@ json_values = st.recursive(
 )
 FIELDS = [*VALID, *(f"architecture.{k}" for k in VALID["architecture"])]
 MANIFEST_FUZZ = settings(
-    max_examples=500,
+    max_examples=400,
     deadline=1000,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
