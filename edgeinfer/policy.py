@@ -182,6 +182,15 @@ def _gguf(inv: DeviceInventory, wish: str) -> tuple[list[Candidate], list[Skippe
     cpu = Candidate(
         LLAMA_CPU, "cpu", f"llama.cpp CPU kernels on {_cpu_summary(inv)}", {"n_gpu_layers": 0}
     )
+    if "amx-int8" in inv.cpu_features:
+        # llama.cpp's AMX weight buffers crashed llama_decode (SIGSEGV) on a Xeon with AMX
+        # (llama-cpp-python 0.3.36, Q4_1 weights): keep the weights in plain CPU buffers.
+        cpu = Candidate(
+            cpu.provider,
+            cpu.device,
+            f"{cpu.reason}; AMX weight repacking off (it crashes llama.cpp on AMX CPUs)",
+            {**cpu.options, "use_extra_bufts": False},
+        )
     if wish == "cpu":
         return [], [], cpu
     found: list[Candidate] = []

@@ -163,9 +163,7 @@ class LlamaCppBackend:
         self._n_past = 0
         self._logits_view: tuple[int, np.ndarray] | None = None
         n_gpu_layers = int(candidate.options.get("n_gpu_layers", 0))
-        self._model = self._load_model(
-            path, n_gpu_layers, int(candidate.options.get("main_gpu", 0)), candidate.provider
-        )
+        self._model = self._load_model(path, n_gpu_layers, candidate)
         try:
             self._n_ctx = config.context_for(int(llama.llama_model_n_ctx_train(self._model)))
             self._threads = config.resolved_threads
@@ -194,10 +192,13 @@ class LlamaCppBackend:
         }
         logger.debug("llama.cpp context ready: n_ctx=%d threads=%d", self._n_ctx, self._threads)
 
-    def _load_model(self, path: Path, n_gpu_layers: int, main_gpu: int, provider: str) -> Any:
+    def _load_model(self, path: Path, n_gpu_layers: int, candidate: Candidate) -> Any:
+        provider = candidate.provider
         params = self._llama.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
-        params.main_gpu = main_gpu
+        params.main_gpu = int(candidate.options.get("main_gpu", 0))
+        if "use_extra_bufts" in candidate.options:
+            params.use_extra_bufts = bool(candidate.options["use_extra_bufts"])
         model = self._llama.llama_model_load_from_file(str(path).encode(), params)
         if not model and n_gpu_layers:
             raise BackendUnavailableError(

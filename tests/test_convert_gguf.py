@@ -18,6 +18,8 @@ from edgeinfer.converters import convert
 from edgeinfer.converters.gguf_export import TOKENIZER_CHECK_TEXT, interleave_rotary_rows
 from edgeinfer.converters.gguf_pipeline import sidecar_path
 
+from .llama_ref import reference_llama
+
 pytest.importorskip("gguf", reason="needs the convert extra")
 
 PROMPTS = [
@@ -50,13 +52,12 @@ def test_tiny_f32_gguf_logits_match_transformers(tiny_hf: Path, tiny_gguf: Path)
     cache: its default f16 cache alone moves these logits by ~4e-3); through edgeinfer's own
     backend (f16 cache) within 1e-2."""
     import torch
-    from llama_cpp import Llama
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_hf, dtype=torch.float32).eval()
     text = "The capital of France is Paris. Café, 你好 🙂"
     f32_cache = 0  # GGML_TYPE_F32
-    exact = Llama(str(tiny_gguf), n_ctx=128, logits_all=True, type_k=f32_cache,
+    exact = reference_llama(str(tiny_gguf), n_ctx=128, logits_all=True, type_k=f32_cache,
                   type_v=f32_cache, verbose=False)  # fmt: skip
     try:
         ids = exact.tokenize(text.encode(), add_bos=False)
@@ -122,8 +123,6 @@ def test_default_model_f16_answers_and_matches_transformers(
 def test_quantized_ggufs_load_in_both_runtimes(
     default_gguf_f16: Path, tmp_path: Path, quant: str, thresholds: dict[str, float]
 ) -> None:
-    from llama_cpp import Llama
-
     out = tmp_path / f"smollm2-{quant}.gguf"
     stages: list[str] = []
     result = convert(
@@ -136,7 +135,7 @@ def test_quantized_ggufs_load_in_both_runtimes(
     with edgeinfer.load(out, context_length=256) as model:
         text = model.generate("The capital of France is", max_new_tokens=4, temperature=0).text
         assert "Paris" in text
-    ref = Llama(str(out), n_ctx=256, verbose=False)
+    ref = reference_llama(str(out), n_ctx=256, verbose=False)
     try:
         done = ref.create_completion("The capital of France is", max_tokens=4, temperature=0)
         assert "Paris" in done["choices"][0]["text"]
@@ -211,7 +210,7 @@ def test_writer_peak_memory_stays_below_the_checkpoint(
 
 
 def test_bos_flag_follows_the_post_processor_when_the_config_is_silent() -> None:
-    from edgeinfer.converters.gguf_export import _adds_bos
+    from edgeinfer.converters.gguf_tokenizer import _adds_bos
 
     tokens = ["<|begin_of_text|>", "a"]
     llama3 = {"post_processor": {"type": "Sequence", "processors": [

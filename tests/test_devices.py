@@ -450,3 +450,13 @@ def test_recording_this_machine_replays_to_the_same_inventory(
     assert capsys.readouterr().out.strip() == str(out)
     inv = build_inventory(RecordedProbe(json.loads(out.read_text())))
     assert inv.cpu_model == live.cpu_model and inv.ort_providers == live.ort_providers
+
+
+def test_amx_cpus_keep_llama_cpp_weights_out_of_amx_buffers() -> None:
+    """Recorded on the CI machine kind (a Xeon with AMX), where llama.cpp's AMX weight
+    buffers crashed llama_decode with SIGSEGV; other CPUs keep llama.cpp's default."""
+    amx = plan_providers(machine("x86-xeon-amx"), "gguf", "cpu").candidates[0]
+    assert amx.options["use_extra_bufts"] is False and "AMX" in amx.reason
+    for name in ("x86-server", "raspberry-pi-5", "apple-m2"):
+        other = plan_providers(machine(name), "gguf", "cpu").candidates[0]
+        assert "use_extra_bufts" not in other.options
