@@ -10,6 +10,7 @@ from unittest import mock
 import pytest
 
 from edgeinfer import ChatTemplateError, InvalidRequestError, chat_template
+from edgeinfer._template_env import raise_exception
 from edgeinfer.chat_template import render_chat
 
 CHATML = (
@@ -214,7 +215,7 @@ def reference(template: str, messages: list[dict[str, Any]]) -> str:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
-    env.globals["raise_exception"] = chat_template._raise_exception
+    env.globals["raise_exception"] = raise_exception
     context = {"messages": messages, "add_generation_prompt": True}
     return env.from_string(template).render(context, bos_token="<s>", eos_token="</s>")
 
