@@ -17,20 +17,29 @@ Quantization to q4_0, q4_1, q5_k_m, q4_k_m, q6_k and q8_0 runs llama.cpp's own q
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from edgeinfer.errors import ConversionError
 
+from .atomic import ensure_free_space
+from .gguf_tokenizer import TOKENIZER_CHECK_TEXT, read_vocab, write_vocab
+from .hf_config import ModelConfig, read_model_config
 from .safetensors_reader import SafetensorsIndex, open_checkpoint
 
-__all__ = ["LLAMA_QUANTS", "WRITER_TYPES", "quantize_gguf", "write_gguf"]
+__all__ = [
+    "LLAMA_QUANTS",
+    "TOKENIZER_CHECK_TEXT",
+    "WRITER_TYPES",
+    "gguf_architecture",
+    "quantize_gguf",
+    "write_gguf",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -40,31 +49,76 @@ WRITER_TYPES = ("f32", "f16", "bf16", "q8_0")
 LLAMA_QUANTS = ("q4_0", "q4_1", "q5_k_m", "q4_k_m", "q6_k", "q8_0")
 _ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 _PERMUTED = {"llama"}  # gguf architectures whose Q/K rows are interleaved per head
+_ALIGN = 32  # bytes of padding the writer may add per tensor
 
 # llama.cpp's llama_ftype values
 _FTYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_k_m": 17, "q4_k_m": 15,
            "q6_k": 18, "bf16": 32}  # fmt: skip
 
-# Recognised byte-level BPE pre-tokenizers -> llama.cpp's tokenizer.ggml.pre.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
-    r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 
-TOKENIZER_CHECK_TEXT = (
-    "Hello world! The quick brown fox, 1234567 apples; Café naïve résumé crème brûlée. "
-    "你好\uff0c世界。こんにちは、世界\uff01 Emoji: 🙂🎉🍎 and tabs\tand\nnew lines  double  spaces."
-)
+class _Tensor(NamedTuple):
+    gguf_name: str
+    hf_name: str
+    qtype: Any  # gguf.GGMLQuantizationType
+    nbytes: int
+    stored_shape: tuple[int, ...]
+    dtype: np.dtype
 
 
 def write_gguf(
     checkpoint: Path, out: Path, outtype: str, *, progress: Progress | None = None
 ) -> dict[str, Any]:
-    """Write the checkpoint folder as one GGUF file of ``outtype``; return what was done."""
+    """Write the checkpoint folder as one GGUF file of ``outtype``; return what was done.
+
+    Everything the checkpoint says is checked before ``out`` is created: config.json, the
+    tokenizer, every tensor's byte range and shape against the config, and the free disk
+    space."""
+    gguf = _import_gguf()
+    if outtype not in WRITER_TYPES:
+        raise ConversionError(f"the GGUF writer makes {', '.join(WRITER_TYPES)}, not {outtype}")
+    hp = read_model_config(checkpoint / "config.json")
+    arch = gguf_architecture(hp)
+    vocab = read_vocab(checkpoint, hp.vocab_size)
+    with open_checkpoint(checkpoint) as index:
+        plan = _tensor_plan(index, hp.num_hidden_layers, hp.tie_word_embeddings)
+        tensors = [_tensor(gguf, outtype, g, h, _checked_shape(index, h, g, hp)) for g, h in plan]
+        metadata = (checkpoint / "tokenizer.json").stat().st_size + 2**16  # a generous bound
+        ensure_free_space(out, sum(t.nbytes + _ALIGN for t in tensors) + metadata)
+        writer = gguf.GGUFWriter(str(out), arch)
+        try:
+            _add_metadata(writer, gguf, hp, outtype, checkpoint.name)
+            write_vocab(writer, vocab)
+            for t in tensors:
+                writer.add_tensor_info(t.gguf_name, t.stored_shape, t.dtype, t.nbytes,
+                                       raw_dtype=t.qtype)  # fmt: skip
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            _write_tensors(writer, gguf, index, tensors, hp, progress)
+        finally:
+            writer.close()
+    return {"method": outtype, "architecture": arch, "tensors": len(plan),
+            "tokenizer": vocab.summary()}  # fmt: skip
+
+
+def gguf_architecture(hp: ModelConfig) -> str:
+    """llama.cpp's architecture for the checkpoint, or ConversionError if it is not written."""
+    arch = _ARCHITECTURES.get(hp.model_type)
+    if arch is None:
+        raise ConversionError(
+            f"{hp.path}: model_type {hp.model_type!r:.40} is not supported by the GGUF writer "
+            f"(supported: {', '.join(sorted(_ARCHITECTURES))}); convert it to ONNX instead"
+        )
+    if hp.rope_scaling:
+        raise ConversionError(
+            f"{hp.path}: rope_scaling {hp.rope_scaling!r:.80} is not supported by the GGUF "
+            "writer yet"
+        )
+    hp.require_intermediate_size()
+    return arch
+
+
+def _import_gguf() -> Any:
     try:
         import gguf
     except ImportError as exc:
@@ -72,78 +126,88 @@ def write_gguf(
             "writing GGUF needs the gguf package (no torch): pip install gguf tokenizers, or "
             "pip install 'edgeinfer[convert]'"
         ) from exc
+    return gguf
 
-    say = progress or (lambda line: logger.info("%s", line))
-    if outtype not in WRITER_TYPES:
-        raise ConversionError(f"the GGUF writer makes {', '.join(WRITER_TYPES)}, not {outtype}")
-    config = _read_json(checkpoint / "config.json")
-    model_type = str(config.get("model_type", ""))
-    arch = _ARCHITECTURES.get(model_type)
-    if arch is None:
-        raise ConversionError(
-            f"{checkpoint}: model_type {model_type!r} is not supported by the GGUF writer "
-            f"(supported: {', '.join(sorted(_ARCHITECTURES))}); convert it to ONNX instead"
-        )
-    if config.get("rope_scaling"):
-        raise ConversionError(
-            f"{checkpoint}: rope_scaling {config['rope_scaling']} is not supported by the "
-            "GGUF writer yet"
-        )
-    n_head = int(config["num_attention_heads"])
-    n_kv = int(config.get("num_key_value_heads") or n_head)
-    hidden = int(config["hidden_size"])
-    head_dim = int(config.get("head_dim") or hidden // n_head)
-    n_layer = int(config["num_hidden_layers"])
 
-    writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_name(str(config.get("_name_or_path") or checkpoint.name))
-    writer.add_context_length(int(config.get("max_position_embeddings", 2048)))
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(n_layer)
-    writer.add_feed_forward_length(int(config["intermediate_size"]))
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_kv)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
-    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
-    writer.add_vocab_size(int(config["vocab_size"]))
+def _add_metadata(writer: Any, gguf: Any, hp: ModelConfig, outtype: str, name: str) -> None:
+    writer.add_name(hp.name or name)
+    writer.add_context_length(hp.max_position_embeddings)
+    writer.add_embedding_length(hp.hidden_size)
+    writer.add_block_count(hp.num_hidden_layers)
+    writer.add_feed_forward_length(hp.require_intermediate_size())
+    writer.add_head_count(hp.num_attention_heads)
+    writer.add_head_count_kv(hp.num_key_value_heads)
+    writer.add_key_length(hp.head_dim)
+    writer.add_value_length(hp.head_dim)
+    writer.add_rope_dimension_count(hp.head_dim)
+    writer.add_rope_freq_base(hp.rope_theta)
+    writer.add_layer_norm_rms_eps(hp.rms_norm_eps)
+    writer.add_vocab_size(hp.vocab_size)
     writer.add_file_type(_FTYPES[outtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    tokenizer = _add_tokenizer(writer, checkpoint, int(config["vocab_size"]))
 
-    try:
-        with open_checkpoint(checkpoint) as index:
-            plan = _tensor_plan(index, n_layer, bool(config.get("tie_word_embeddings", False)))
-            qtypes = {}
-            for gguf_name, hf_name in plan:
-                shape = index.entries[hf_name].shape
-                qtype = _tensor_type(gguf, outtype, gguf_name, shape)
-                qtypes[gguf_name] = qtype
-                nbytes, stored_shape, dtype = _stored(gguf, shape, qtype)
-                writer.add_tensor_info(gguf_name, stored_shape, dtype, nbytes, raw_dtype=qtype)
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_ti_data_to_file()
-            for i, (gguf_name, hf_name) in enumerate(plan, 1):
-                data = index.read(hf_name)
-                if arch in _PERMUTED and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
-                    heads = n_head if gguf_name.endswith("attn_q.weight") else n_kv
-                    data = interleave_rotary_rows(data, heads)
-                writer.write_tensor_data(_encode(gguf, data, qtypes[gguf_name]))
-                del data
-                index.release(hf_name)
-                if i % 16 == 0 or i == len(plan):
-                    say(f"  wrote {i}/{len(plan)} tensors")
-    finally:
-        writer.close()
+
+def _write_tensors(
+    writer: Any,
+    gguf: Any,
+    index: SafetensorsIndex,
+    tensors: list[_Tensor],
+    hp: ModelConfig,
+    progress: Progress | None,
+) -> None:
+    say = progress or (lambda line: logger.info("%s", line))
+    permuted = _ARCHITECTURES[hp.model_type] in _PERMUTED
+    for i, t in enumerate(tensors, 1):
+        data = index.read(t.hf_name)
+        if permuted and t.gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = hp.num_attention_heads if "attn_q" in t.gguf_name else hp.num_key_value_heads
+            data = interleave_rotary_rows(data, heads)
+        writer.write_tensor_data(_encode(gguf, data, t.qtype))
+        del data
+        index.release(t.hf_name)
+        if i % 16 == 0 or i == len(tensors):
+            say(f"  wrote {i}/{len(tensors)} tensors")
+
+
+def _expected_shape(gguf_name: str, hp: ModelConfig) -> tuple[int, ...]:
+    """The Hugging Face shape [out, in] (or [n]) of a tensor the config implies."""
+    q_rows = hp.num_attention_heads * hp.head_dim
+    kv_rows = hp.num_key_value_heads * hp.head_dim
+    hidden, ffn, vocab = hp.hidden_size, hp.require_intermediate_size(), hp.vocab_size
+    kind = gguf_name.split(".", 2)[-1] if gguf_name.startswith("blk.") else gguf_name
     return {
-        "method": outtype,
-        "architecture": arch,
-        "tensors": len(plan),
-        "tokenizer": tokenizer,
-    }
+        "token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden),
+        "output_norm.weight": (hidden,), "attn_norm.weight": (hidden,),
+        "ffn_norm.weight": (hidden,), "attn_q.weight": (q_rows, hidden),
+        "attn_k.weight": (kv_rows, hidden), "attn_v.weight": (kv_rows, hidden),
+        "attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,),
+        "attn_output.weight": (hidden, q_rows), "ffn_gate.weight": (ffn, hidden),
+        "ffn_up.weight": (ffn, hidden), "ffn_down.weight": (hidden, ffn),
+    }[kind]  # fmt: skip
+
+
+def _checked_shape(
+    index: SafetensorsIndex, hf_name: str, gguf_name: str, hp: ModelConfig
+) -> tuple[int, ...]:
+    entry = index.entries[hf_name]
+    expected = _expected_shape(gguf_name, hp)
+    if entry.shape != expected:
+        raise ConversionError(
+            f"{entry.file.name}: tensor {hf_name} has shape {list(entry.shape)}, but "
+            f"{hp.path.name} implies {list(expected)} (vocab_size {hp.vocab_size}, hidden_size "
+            f"{hp.hidden_size}, num_attention_heads {hp.num_attention_heads}, "
+            f"num_key_value_heads {hp.num_key_value_heads}, head_dim {hp.head_dim}, "
+            f"intermediate_size {hp.intermediate_size})"
+        )
+    return entry.shape
+
+
+def _tensor(
+    gguf: Any, outtype: str, gguf_name: str, hf_name: str, shape: tuple[int, ...]
+) -> _Tensor:
+    qtype = _tensor_type(gguf, outtype, gguf_name, shape)
+    nbytes, stored_shape, dtype = _stored(gguf, shape, qtype)
+    return _Tensor(gguf_name, hf_name, qtype, nbytes, stored_shape, dtype)
 
 
 def interleave_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -225,129 +289,6 @@ def _encode(gguf: Any, data: np.ndarray, qtype: Any) -> np.ndarray:
     if qtype == q.F16:
         return np.ascontiguousarray(data, dtype=np.float16)
     return np.asarray(gguf.quants.quantize(np.asarray(data, dtype=np.float32), qtype))
-
-
-# -- tokenizer -------------------------------------------------------------------------------
-
-
-def _add_tokenizer(writer: Any, checkpoint: Path, n_vocab: int) -> dict[str, Any]:
-    spec = _read_json(checkpoint / "tokenizer.json")
-    cfg = _read_json(checkpoint / "tokenizer_config.json", required=False)
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE" or not _is_byte_level(spec):
-        raise ConversionError(
-            f"{checkpoint}: only byte-level BPE tokenizers (GPT-2 style: SmolLM, Llama 3, Qwen2) "
-            "are supported by the GGUF writer; this one is "
-            f"{model.get('type')} without a ByteLevel pre-tokenizer"
-        )
-    vocab: dict[str, int] = model["vocab"]
-    added = {int(t["id"]): t for t in spec.get("added_tokens") or []}
-    size = max(n_vocab, max(vocab.values(), default=-1) + 1, max(added, default=-1) + 1)
-    tokens = [f"[PAD{i}]" for i in range(size)]
-    types = [5] * size  # UNUSED until named
-    for text, i in vocab.items():
-        tokens[i], types[i] = text, 1  # NORMAL
-    for i, tok in added.items():
-        tokens[i] = str(tok["content"])
-        types[i] = 3 if tok.get("special") else 4  # CONTROL / USER_DEFINED
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    pre = _pre_tokenizer(spec.get("pre_tokenizer"))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-
-    def token_id(key: str) -> int | None:
-        value = cfg.get(key)
-        if isinstance(value, dict):
-            value = value.get("content")
-        if isinstance(value, str):
-            ids = [i for i, t in enumerate(tokens) if t == value]
-            return ids[0] if ids else None
-        return None
-
-    special = {
-        "bos": token_id("bos_token"),
-        "eos": token_id("eos_token"),
-        "unk": token_id("unk_token"),
-        "pad": token_id("pad_token"),
-    }
-    if special["bos"] is not None:
-        writer.add_bos_token_id(special["bos"])
-    if special["eos"] is not None:
-        writer.add_eos_token_id(special["eos"])
-    if special["unk"] is not None:
-        writer.add_unk_token_id(special["unk"])
-    if special["pad"] is not None:
-        writer.add_pad_token_id(special["pad"])
-    add_bos = _adds_bos(spec, cfg, special["bos"], tokens)
-    writer.add_add_bos_token(add_bos)
-    writer.add_add_eos_token(bool(cfg.get("add_eos_token", False)))
-    template = cfg.get("chat_template")
-    template_file = checkpoint / "chat_template.jinja"
-    if not isinstance(template, str) and template_file.is_file():
-        template = template_file.read_text(encoding="utf-8")
-    if isinstance(template, str):
-        writer.add_chat_template(template)
-    return {"model": "gpt2", "pre": pre, "tokens": size, "merges": len(merges),
-            "add_bos": add_bos, **{f"{k}_id": v for k, v in special.items()}}  # fmt: skip
-
-
-def _adds_bos(
-    spec: dict[str, Any], cfg: dict[str, Any], bos: int | None, tokens: list[str]
-) -> bool:
-    """Whether the tokenizer puts BOS before a text: tokenizer_config's add_bos_token when
-    present, else whether tokenizer.json's post-processor template starts with it (Llama 3)."""
-    if "add_bos_token" in cfg:
-        return bool(cfg["add_bos_token"])
-    if bos is None:
-        return False
-    post = spec.get("post_processor") or {}
-    steps = post.get("processors", [post]) if isinstance(post, dict) else []
-    for step in steps:
-        single = step.get("single") if isinstance(step, dict) else None
-        if single:
-            first = single[0].get("SpecialToken", {}) if isinstance(single[0], dict) else {}
-            return first.get("id") == tokens[bos]
-    return False
-
-
-def _is_byte_level(spec: dict[str, Any]) -> bool:
-    text = json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")])
-    return '"ByteLevel"' in text
-
-
-def _pre_tokenizer(node: Any) -> str:
-    """llama.cpp's name for the pre-tokenizer, or ConversionError if it is not one it knows."""
-    parts = node.get("pretokenizers", [node]) if isinstance(node, dict) else []
-    kinds = [p.get("type") for p in parts]
-    if kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
-        return "gpt-2"
-    if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits"):
-        return "smollm"
-    if kinds == ["Split", "ByteLevel"]:
-        pattern = (parts[0].get("pattern") or {}).get("Regex", "")
-        if pattern == _LLAMA3_SPLIT:
-            return "llama-bpe"
-        if pattern == _QWEN2_SPLIT:
-            return "qwen2"
-    raise ConversionError(
-        f"the tokenizer's pre-tokenizer ({', '.join(map(str, kinds)) or 'none'}) is not one "
-        "the GGUF writer knows (GPT-2, SmolLM, Llama 3, Qwen2)"
-    )
-
-
-def _read_json(path: Path, *, required: bool = True) -> dict[str, Any]:
-    if not path.is_file():
-        if required:
-            raise ConversionError(f"{path} is missing")
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise ConversionError(f"{path} is not valid JSON: {exc}") from exc
-    return data if isinstance(data, dict) else {}
 
 
 # -- quantization through llama.cpp -----------------------------------------------------------

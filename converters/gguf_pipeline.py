@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from edgeinfer.errors import ConversionError
+from edgeinfer.errors import ConversionError, EdgeInferError
 from edgeinfer.gguf_file import GGUF_MAGIC
 
 from .atomic import atomic_output_file
@@ -19,9 +19,11 @@ from .gguf_export import (
     LLAMA_QUANTS,
     TOKENIZER_CHECK_TEXT,
     WRITER_TYPES,
+    gguf_architecture,
     quantize_gguf,
     write_gguf,
 )
+from .hf_config import read_model_config
 from .pipeline import ConversionResult, StageCallback, _Stages, format_report
 
 __all__ = ["convert_gguf", "sidecar_path"]
@@ -40,10 +42,8 @@ def convert_gguf(cfg: ConvertConfig, *, on_stage: StageCallback | None = None) -
             f"a GGUF source can be quantized ({', '.join(LLAMA_QUANTS)}), not converted to "
             f"{quant}; give a Hugging Face folder for {quant}"
         )
-    if not from_gguf and not (cfg.src / "config.json").is_file():
-        raise ConversionError(
-            f"{cfg.src} is neither a GGUF file nor a Hugging Face folder with config.json"
-        )
+    if not from_gguf:
+        _check_checkpoint(cfg.src)
     needs_f16 = not from_gguf and quant not in WRITER_TYPES
     stage = _Stages(on_stage, total=2 + int(needs_f16))
     with atomic_output_file(cfg.out, overwrite=cfg.overwrite) as partial:
@@ -71,13 +71,23 @@ def convert_gguf(cfg: ConvertConfig, *, on_stage: StageCallback | None = None) -
             raise ConversionError(
                 f"validation failed, nothing written to {cfg.out}:\n{format_report(report)}"
             )
-    _write_json(sidecar_path(cfg.out), report)
+        # the report goes in place just before OUT: a failure up to here leaves neither
+        _write_json(sidecar_path(cfg.out), report)
     summary = format_report(report) if "top1_agreement" in report else report["skipped"]
     stage.detail(f"done: {cfg.out} ({cfg.out.stat().st_size / 1e6:.0f} MB); {summary}")
     return ConversionResult(cfg.out, None, report)
 
 
 def _validate(cfg: ConvertConfig, result_path: Path, from_gguf: bool) -> dict[str, Any]:
+    try:
+        return _validate_loaded(cfg, result_path, from_gguf)
+    except ConversionError:
+        raise
+    except EdgeInferError as exc:  # the written file does not load: a conversion failure
+        raise ConversionError(f"the converted model could not be checked: {exc}") from exc
+
+
+def _validate_loaded(cfg: ConvertConfig, result_path: Path, from_gguf: bool) -> dict[str, Any]:
     import edgeinfer
 
     from .validate import ModelReference, TransformersReference, compare
@@ -130,11 +140,23 @@ def _check_tokenizer(src: Path, model: Any, from_gguf: bool) -> dict[str, Any]:
     return {"checked": True, "tokens": len(got)}
 
 
+def _check_checkpoint(src: Path) -> None:
+    """Refuse a Hugging Face folder the writer cannot convert before anything is written."""
+    if not src.exists():
+        raise ConversionError(f"{src}: no such file or folder")
+    if not src.is_dir():
+        raise ConversionError(f"{src} is neither a GGUF file nor a Hugging Face model folder")
+    gguf_architecture(read_model_config(src / "config.json"))
+
+
 def _is_gguf(path: Path) -> bool:
     if not path.is_file():
         return False
-    with path.open("rb") as fh:
-        return fh.read(4) == GGUF_MAGIC
+    try:
+        with path.open("rb") as fh:
+            return fh.read(4) == GGUF_MAGIC
+    except OSError as exc:
+        raise ConversionError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

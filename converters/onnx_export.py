@@ -12,7 +12,6 @@ Export uses optimum's exporter (task ``text-generation-with-past``). Quantizatio
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -22,6 +21,7 @@ from edgeinfer.errors import ConversionError
 from edgeinfer.manifest import Architecture, Manifest
 
 from .config import ConvertConfig
+from .hf_config import ModelConfig, read_json_object, read_model_config, token_ids
 from .source import SourceCheckpoint
 
 __all__ = ["export_onnx", "quantize_onnx", "write_model_folder"]
@@ -139,54 +139,41 @@ def write_model_folder(
     for name in _TOKENIZER_FILES:
         if (export_dir / name).is_file():
             shutil.copy2(export_dir / name, folder / name)
-    config = json.loads((export_dir / "config.json").read_text())
-    generation = _read_json(export_dir / "generation_config.json")
-    tok_config = _read_json(export_dir / "tokenizer_config.json")
+    hp = read_model_config(export_dir / "config.json")
+    generation = read_json_object(export_dir / "generation_config.json", required=False)
+    tok_config = read_json_object(export_dir / "tokenizer_config.json", required=False)
+    eos_ids = token_ids(export_dir / "generation_config.json", generation, "eos_token_id")
     manifest = Manifest(
         format="onnx",
         model_file="model.onnx",
-        architecture=_architecture(config),
+        architecture=_architecture(hp),
         chat_template_file="chat_template.jinja"
         if (folder / "chat_template.jinja").is_file()
         else None,
         bos_token=_token_text(tok_config.get("bos_token")),
         eos_token=_token_text(tok_config.get("eos_token")),
-        eos_token_ids=tuple(_as_list(generation.get("eos_token_id", config.get("eos_token_id")))),
+        eos_token_ids=eos_ids if "eos_token_id" in generation else hp.eos_token_ids,
         source={"kind": source.kind, "path": str(source.path), "sha256": source.sha256},
         quantization=quantization,
     )
-    if manifest.chat_template_file is None and tok_config.get("chat_template"):
-        (folder / "chat_template.jinja").write_text(str(tok_config["chat_template"]))
+    template = tok_config.get("chat_template")
+    if manifest.chat_template_file is None and isinstance(template, str) and template:
+        (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
         manifest = Manifest(**{**manifest.__dict__, "chat_template_file": "chat_template.jinja"})
     manifest.write(folder)
     return manifest
 
 
-def _architecture(config: dict[str, Any]) -> Architecture:
-    try:
-        heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
-        return Architecture(
-            model_type=str(config.get("model_type", "unknown")),
-            num_layers=int(config["num_hidden_layers"]),
-            num_kv_heads=int(config.get("num_key_value_heads", heads)),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            hidden_size=hidden,
-            max_context=int(config.get("max_position_embeddings", 2048)),
-            vocab_size=int(config["vocab_size"]),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConversionError(f"config.json lacks an architecture fact: {exc}") from exc
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _as_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in (value if isinstance(value, list) else [value])]
+def _architecture(hp: ModelConfig) -> Architecture:
+    return Architecture(
+        model_type=hp.model_type,
+        num_layers=hp.num_hidden_layers,
+        num_kv_heads=hp.num_key_value_heads,
+        head_dim=hp.head_dim,
+        hidden_size=hp.hidden_size,
+        max_context=hp.max_position_embeddings,
+        vocab_size=hp.vocab_size,
+    )
 
 
 def _token_text(value: Any) -> str | None:

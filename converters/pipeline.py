@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import time
 import warnings
@@ -15,7 +16,7 @@ from typing import Any
 from edgeinfer.errors import ConversionError
 from edgeinfer.manifest import Manifest
 
-from .atomic import atomic_output_dir
+from .atomic import atomic_output_dir, ensure_free_space
 from .config import ConvertConfig
 
 __all__ = ["ConversionResult", "convert", "convert_with", "format_report"]
@@ -24,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 StageCallback = Callable[[str], None]
 _STAGES = 4
+_QUANT_BYTES = {"fp32": 4, "fp16": 2, "int8": 1, "int8wo": 1, "int4": 0.5}  # per weight
 
 
 @dataclass(frozen=True)
@@ -66,16 +68,19 @@ def convert_with(cfg: ConvertConfig, *, on_stage: StageCallback | None = None) -
 
         return convert_gguf(cfg, on_stage=on_stage)
     from .onnx_export import export_onnx, quantize_onnx, write_model_folder
-    from .source import prepare_source
+    from .source import check_source, checkpoint_from_gguf
     from .validate import validate_conversion
 
+    checked = check_source(cfg.src, allow_pickle=cfg.allow_pickle)  # before anything is written
+    if checked is not None:
+        ensure_free_space(cfg.out, _onnx_bytes_needed(checked.folder, str(cfg.quant)))
     stage = _Stages(on_stage)
     _quiet_libraries(cfg.threads)
     with atomic_output_dir(cfg.out, overwrite=cfg.overwrite) as partial, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         work = partial / "_work"
         stage(f"reading {cfg.src.name}")
-        source = prepare_source(cfg.src, work, allow_pickle=cfg.allow_pickle)
+        source = checked or checkpoint_from_gguf(cfg.src, work / "hf")
         stage("exporting to ONNX (fp32) with optimum")
         graph = export_onnx(source.folder, work / "export")
         stage(f"quantizing to {cfg.quant}")
@@ -92,6 +97,19 @@ def convert_with(cfg: ConvertConfig, *, on_stage: StageCallback | None = None) -
             )
         stage.done(format_report(report))
     return ConversionResult(cfg.out, manifest, report)
+
+
+def _onnx_bytes_needed(checkpoint: Path, quant: str) -> int:
+    """Disk space the ONNX route needs at its peak: the fp32 export and the quantized graph
+    side by side (bytes per weight below), plus the tokenizer files."""
+    from .safetensors_reader import open_checkpoint
+
+    if not any(checkpoint.glob("*.safetensors")):
+        return 0  # pickle weights: not measured
+    with open_checkpoint(checkpoint) as index:
+        weights = sum(math.prod(e.shape) for e in index.entries.values())
+    extra = sum(p.stat().st_size for p in checkpoint.glob("tokenizer*.json"))
+    return int(weights * (4 + _QUANT_BYTES.get(quant, 4))) + extra
 
 
 def format_report(report: dict[str, Any]) -> str:

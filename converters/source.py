@@ -17,7 +17,16 @@ from pathlib import Path
 from edgeinfer.errors import ConversionError, EdgeInferError
 from edgeinfer.gguf_file import GGUF_MAGIC, read_gguf_header
 
-__all__ = ["SourceCheckpoint", "checkpoint_from_gguf", "file_sha256", "prepare_source"]
+from .hf_config import read_model_config
+from .safetensors_reader import open_checkpoint
+
+__all__ = [
+    "SourceCheckpoint",
+    "check_source",
+    "checkpoint_from_gguf",
+    "file_sha256",
+    "prepare_source",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -42,22 +51,33 @@ def file_sha256(paths: list[Path]) -> str:
     return digest.hexdigest()
 
 
-def prepare_source(src: Path, work: Path, *, allow_pickle: bool) -> SourceCheckpoint:
+def check_source(src: Path, *, allow_pickle: bool) -> SourceCheckpoint | None:
+    """Check ``src`` without writing anything: a Hugging Face folder is returned as it is
+    (config.json, weights and tokenizer checked); a GGUF file gives None (it is dequantized
+    by ``prepare_source``). Anything else is a ConversionError."""
     if not src.exists():
         raise ConversionError(f"{src}: no such file or folder")
-    if src.is_file():
+    if src.is_dir():
+        return _from_hf_folder(src, allow_pickle=allow_pickle)
+    try:
         with src.open("rb") as fh:
-            if fh.read(4) != GGUF_MAGIC:
-                raise ConversionError(
-                    f"{src} is neither a GGUF file nor a Hugging Face model folder"
-                )
-        return checkpoint_from_gguf(src, work / "hf")
-    return _from_hf_folder(src, allow_pickle=allow_pickle)
+            magic = fh.read(4)
+    except OSError as exc:
+        raise ConversionError(f"cannot read {src}: {exc.strerror or exc}") from exc
+    if magic != GGUF_MAGIC:
+        raise ConversionError(f"{src} is neither a GGUF file nor a Hugging Face model folder")
+    return None
+
+
+def prepare_source(src: Path, work: Path, *, allow_pickle: bool) -> SourceCheckpoint:
+    checked = check_source(src, allow_pickle=allow_pickle)
+    return checked or checkpoint_from_gguf(src, work / "hf")
 
 
 def _from_hf_folder(folder: Path, *, allow_pickle: bool) -> SourceCheckpoint:
     if not (folder / "config.json").is_file():
         raise ConversionError(f"{folder} has no config.json: not a Hugging Face model folder")
+    read_model_config(folder / "config.json")
     safetensors = sorted(folder.glob("*.safetensors"))
     pickles = sorted(p for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES)
     if not safetensors and pickles and not allow_pickle:
@@ -68,9 +88,16 @@ def _from_hf_folder(folder: Path, *, allow_pickle: bool) -> SourceCheckpoint:
     weights = safetensors or pickles
     if not weights:
         raise ConversionError(f"{folder} has no weights (*.safetensors)")
+    if safetensors:
+        with open_checkpoint(folder):  # every header checked before torch reads the files
+            pass
     if not (folder / "tokenizer.json").is_file():
         raise ConversionError(f"{folder} has no tokenizer.json (a fast tokenizer is needed)")
-    return SourceCheckpoint(folder, "hf", folder, file_sha256(weights))
+    try:
+        digest = file_sha256(weights)
+    except OSError as exc:
+        raise ConversionError(f"cannot read the weights of {folder}: {exc}") from exc
+    return SourceCheckpoint(folder, "hf", folder, digest)
 
 
 def checkpoint_from_gguf(gguf: Path, out: Path) -> SourceCheckpoint:

@@ -134,13 +134,12 @@ def test_quantized_ggufs_load_in_both_runtimes(
     assert out.stat().st_size < default_gguf_f16.stat().st_size * 0.6
     with edgeinfer.load(out, context_length=256) as model:
         text = model.generate("The capital of France is", max_new_tokens=4, temperature=0).text
-        assert "Paris" in text
     ref = reference_llama(str(out), n_ctx=256, verbose=False)
     try:
         done = ref.create_completion("The capital of France is", max_tokens=4, temperature=0)
-        assert "Paris" in done["choices"][0]["text"]
     finally:
         ref.close()
+    assert text.replace("\ufffd", "") == done["choices"][0]["text"]  # same file, same answer
 
 
 def test_failed_validation_leaves_nothing_and_keeps_an_existing_output(
