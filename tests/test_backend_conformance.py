@@ -14,6 +14,7 @@ from edgeinfer import EdgeInferError, InvalidRequestError
 from edgeinfer.model import Model
 from edgeinfer.runtimes.base import Backend, Tokenizer
 
+from .llama_ref import reference_llama
 from .textcheck import non_ascii_bias, reference_text
 
 pytestmark = pytest.mark.model
@@ -36,9 +37,32 @@ def model(model_path: Path) -> Iterator[Model]:
         yield m
 
 
-def test_greedy_answer_names_paris(model: Model) -> None:
-    result = model.generate("The capital of France is", max_new_tokens=16, temperature=0)
-    assert "Paris" in result.text
+def test_greedy_answer_equals_a_reference_engine(
+    model: Model, model_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The same weights through another engine in this run: llama-cpp-python for the GGUF,
+    transformers on the checkpoint the ONNX model was converted from."""
+    prompt = "The capital of France is"
+    result = model.generate(prompt, max_new_tokens=16, temperature=0)
+    if model_path.suffix == ".gguf":
+        ref = reference_llama(str(model_path), n_ctx=512, verbose=False)
+        try:
+            done = ref.create_completion(prompt, max_tokens=16, temperature=0)
+        finally:
+            ref.close()
+        assert result.text.replace("\ufffd", "") == done["choices"][0]["text"]
+        return
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    checkpoint: Path = request.getfixturevalue("default_checkpoint")
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ids = torch.tensor([model.tokenize(prompt)])
+    with torch.no_grad():
+        out = reference.generate(ids, max_new_tokens=16, do_sample=False)
+    expected = [int(t) for t in out[0, ids.shape[1] :]]
+    eos = [i for i, t in enumerate(expected) if model._tokenizer.is_end_of_generation(t)]
+    assert list(result.token_ids) == expected[: eos[0] if eos else None]
 
 
 @pytest.mark.parametrize(
