@@ -118,3 +118,34 @@ def tiny_llama_onnx(tiny_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     out = tmp_path_factory.mktemp("tiny-llama-onnx") / "fp32"
     convert(tiny_hf, out, quant="fp32")
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Gemma 3 checkpoint (sliding-window and global layers) with a
+    SentencePiece vocabulary: byte pieces, Gemma's turn and image markers."""
+    pytest.importorskip("transformers", reason="needs the convert extra")
+    pytest.importorskip("sentencepiece", reason="needs sentencepiece (the test extra)")
+    from .tiny_gemma import build_tiny_gemma_checkpoint
+
+    return build_tiny_gemma_checkpoint(tmp_path_factory.mktemp("tiny-gemma") / "hf")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_gguf(tiny_gemma_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Gemma 3 as an f32 GGUF (architecture gemma3, SentencePiece vocabulary)."""
+    pytest.importorskip("gguf", reason="needs the convert extra")
+    from .tiny_gemma import write_tiny_gemma_gguf
+
+    out = tmp_path_factory.mktemp("tiny-gemma-gguf") / "tiny-gemma3-f32.gguf"
+    return write_tiny_gemma_gguf(tiny_gemma_hf, out)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_onnx(tiny_gemma_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Gemma 3 converted to an fp32 ONNX folder by edgeinfer's converter."""
+    from edgeinfer.converters import convert
+
+    out = tmp_path_factory.mktemp("tiny-gemma-onnx") / "fp32"
+    convert(tiny_gemma_hf, out, quant="fp32", min_top1_agreement=0.0, min_greedy_agreement=0.0)
+    return out
