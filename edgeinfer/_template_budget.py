@@ -222,8 +222,9 @@ class Guard:
         _local.budget = self.budget
 
     def __exit__(self, *exc_info: object) -> None:
-        sys.settrace(self.budget.previous_tracer)
         _local.budget = self.saved
+        if sys.gettrace() is not self.budget.previous_tracer:  # traced() restores it: a net
+            sys.settrace(self.budget.previous_tracer)
 
 
 def traced(budget: Budget, func: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
@@ -242,25 +243,40 @@ def traced(budget: Budget, func: Callable[..., _T], *args: Any, **kwargs: Any) -
 
 
 def _deadline_tracer(budget: Budget, previous: TraceFunction | None) -> TraceFunction:
-    """A trace function that raises Abort at the first call or line past the budget's deadline.
-    A tracer that was already installed (a debugger's, coverage's) still gets its events."""
+    """A trace function that raises Abort at the first call or line, past the budget's
+    deadline, of code a template can run. A finalizer or GC callback that happens to run then
+    is left alone; a tracer that was already installed (a debugger's, coverage's) still gets
+    its events."""
     clock, deadline = time.monotonic, budget.deadline
     late = f"it ran longer than {budget.seconds:g} s"
 
     def on_line(frame: FrameType, event: str, arg: Any) -> Any:
-        if clock() > deadline:
+        if clock() > deadline and _template_code(frame):
             raise Abort(late)
         return on_line
 
     def on_call_chained(frame: FrameType, event: str, arg: Any) -> Any:
-        if clock() > deadline:
-            raise Abort(late)
+        on_line(frame, event, arg)
         theirs = previous(frame, event, arg) if previous is not None else None
         if sys.gettrace() is not on_call_chained:  # C tracers re-install themselves on calls
             sys.settrace(on_call_chained)
         return on_line if theirs is None else _chained(theirs, on_line)
 
     return on_line if previous is None else on_call_chained
+
+
+def _template_code(frame: FrameType) -> bool:
+    """Whether ``frame`` runs the template, Jinja2, or library code its filters call."""
+    if frame.f_code.co_filename == "<template>":
+        return True
+    module = frame.f_globals.get("__name__")
+    return isinstance(module, str) and module.partition(".")[0] in _TEMPLATE_MODULES
+
+
+_TEMPLATE_MODULES = frozenset(
+    "edgeinfer jinja2 markupsafe textwrap json pprint re string html urllib reprlib random "
+    "collections functools itertools operator datetime".split()
+)
 
 
 def _chained(theirs: TraceFunction, ours: TraceFunction) -> TraceFunction:

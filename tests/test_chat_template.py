@@ -441,6 +441,24 @@ def test_no_tracer_is_left_behind_after_errors() -> None:
             assert sys.gettrace() is before
 
 
+def test_past_the_deadline_only_template_code_is_stopped() -> None:
+    """A finalizer or GC callback that runs during a render is not the template's: it runs on."""
+    from edgeinfer._template_budget import Abort, Budget, _deadline_tracer
+
+    budget = Budget(100, 100, deadline=time.monotonic() - 1, seconds=1, int_bits=64, max_depth=8)
+    tracer = _deadline_tracer(budget, None)
+    assert tracer(sys._getframe(), "line", None) is tracer  # this test's code
+    source = compile("import sys\nframe = sys._getframe()", "<template>", "exec")
+    namespace: dict[str, Any] = {}
+    exec(source, namespace)
+    with pytest.raises(Abort):
+        tracer(namespace["frame"], "line", None)
+    jinja_frame = type("Frame", (), {"f_code": sys._getframe().f_code})()
+    jinja_frame.f_globals = {"__name__": "jinja2.runtime"}  # type: ignore[attr-defined]
+    with pytest.raises(Abort):
+        tracer(jinja_frame, "call", None)  # type: ignore[arg-type]
+
+
 def test_the_deadline_holds_in_a_worker_thread() -> None:
     outcome: list[object] = []
 
