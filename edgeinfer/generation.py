@@ -28,6 +28,9 @@ __all__ = ["Chunk", "FinishReason", "GenerationResult", "GenerationStats", "Toke
 FinishReason = Literal["stop", "length", "cancelled"]
 
 _MIN_PREFILL = 2  # prompt tokens always prefilled, even when all are in the cache
+# Reuse ends at a multiple of this many tokens (see KVHistory): every prompt token then sits
+# at the same place within its batch's row groups as in a fresh read.
+REUSE_GRANULE = 32
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,15 @@ class KVHistory:
     ``batched`` counts the leading entries written by prefill. Entries written by decode
     steps (one token at a time) come from other kernels than a batched read of the same
     tokens (llama.cpp, without flash attention: logits downstream differ by up to ~0.7), so
-    they are not reused: a reused cache then gives exactly what an empty one gives.
+    they are not reused.
+
+    CPU kernels may treat a batch's rows in groups (repacked and AMX weights: 4, 8 or 16
+    rows, the rest one by one), so a token's result can depend on where it sits in its
+    batch. Backends cut prefill batches at absolute positions that are multiples of their
+    batch size, and reuse ends at a multiple of ``REUSE_GRANULE``: a reused read then puts
+    every new token in the same batch position (modulo 32) as a fresh read, and a reused
+    cache gives what an empty one gives, on any kernel that groups rows by a power of two up
+    to 32.
     """
 
     def __init__(self) -> None:
@@ -85,6 +96,7 @@ class KVHistory:
         n = 0
         while n < limit and self.tokens[n] == prompt[n]:
             n += 1
+        n -= n % REUSE_GRANULE
         del self.tokens[n:]
         self.batched = n
         backend.rewind(n)

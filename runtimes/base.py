@@ -18,7 +18,15 @@ import numpy as np
 
 from edgeinfer.errors import InvalidRequestError
 
-__all__ = ["TOKEN_TEXT_RULE", "Backend", "Tokenizer", "TokenizerBase", "check_fits", "is_marker"]
+__all__ = [
+    "TOKEN_TEXT_RULE",
+    "Backend",
+    "Tokenizer",
+    "TokenizerBase",
+    "aligned_chunks",
+    "check_fits",
+    "is_marker",
+]
 
 TOKEN_TEXT_RULE = """Which tokens are text (the same rule for every vocabulary):
 - normal tokens: their text; byte tokens (<0xHH>, byte-level BPE): their byte;
@@ -171,6 +179,18 @@ class TokenizerBase:
 
     def _piece(self, token_id: int) -> bytes:
         raise NotImplementedError
+
+
+def aligned_chunks(ids: list[int], n_past: int, size: int) -> list[list[int]]:
+    """``ids`` (to be appended after ``n_past`` tokens) cut at absolute positions that are
+    multiples of ``size``: a prompt read in two parts is batched as when read whole."""
+    chunks = []
+    start = 0
+    while start < len(ids):
+        room = size - (n_past + start) % size
+        chunks.append(ids[start : start + room])
+        start += room
+    return chunks
 
 
 def check_fits(token_ids: Sequence[int], n_past: int, n_ctx: int) -> list[int]:

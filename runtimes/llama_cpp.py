@@ -27,7 +27,7 @@ from edgeinfer.errors import (
 from edgeinfer.gguf_file import GGUFHeader
 from edgeinfer.policy import Candidate
 
-from .base import TokenizerBase, check_fits, is_marker
+from .base import TokenizerBase, aligned_chunks, check_fits, is_marker
 
 __all__ = ["LlamaCppBackend", "LlamaCppTokenizer", "open_backend"]
 
@@ -221,6 +221,9 @@ class LlamaCppBackend:
         params.n_threads = self._threads
         params.n_threads_batch = self._threads
         params.no_perf = True
+        # Sliding-window layers (Gemma 3, ...) keep their whole cache, as the memory plan counts
+        # it: a cache pruned to the window cannot be rewound exactly for prefix reuse.
+        params.swa_full = True
         params.flash_attn_type = (
             self._llama.LLAMA_FLASH_ATTN_TYPE_ENABLED
             if self._flash_attention
@@ -252,9 +255,9 @@ class LlamaCppBackend:
 
     def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
         ids = check_fits(token_ids, self._n_past, self._n_ctx)
-        for start in range(0, len(ids), self._n_batch):
-            chunk = ids[start : start + self._n_batch]
-            self._submit(chunk, want_logits=start + len(chunk) == len(ids))
+        chunks = aligned_chunks(ids, self._n_past, self._n_batch)
+        for i, chunk in enumerate(chunks):
+            self._submit(chunk, want_logits=i == len(chunks) - 1)
         return self._last_logits()
 
     def decode(self, token_id: int) -> np.ndarray:

@@ -9,6 +9,7 @@ import pytest
 
 from edgeinfer import EdgeInferError, InvalidRequestError, ModelBusyError
 from edgeinfer._turns import Turns
+from edgeinfer.generation import REUSE_GRANULE
 from edgeinfer.model import Model
 
 from .fakes import EOS, FakeBackend
@@ -84,22 +85,29 @@ def test_bad_requests_raise_typed_errors(fake_model: Model) -> None:
 
 def test_prompt_prefix_is_reused_and_output_matches_a_fresh_model() -> None:
     model, backend = make()
-    first = model.generate("The quick brown fox", max_new_tokens=8, temperature=0)
-    second = model.generate("The quick brown cat", max_new_tokens=8, temperature=0)
+    start = "The quick brown animal jumps over the lazy dog: a "  # 50 bytes = 50 tokens
+    first = model.generate(start + "fox", max_new_tokens=8, temperature=0)
+    second = model.generate(start + "cat", max_new_tokens=8, temperature=0)
     assert first.stats.reused_prompt_tokens == 0
-    assert second.stats.reused_prompt_tokens == len("The quick brown ")
-    assert backend.prefilled[-1] == len("cat")
+    # reuse ends at a multiple of REUSE_GRANULE (32) within the 50 common tokens
+    assert second.stats.reused_prompt_tokens == REUSE_GRANULE
+    assert backend.prefilled[-1] == len(start + "cat") - REUSE_GRANULE
     fresh, _ = make()
-    expected = fresh.generate("The quick brown cat", max_new_tokens=8, temperature=0)
+    expected = fresh.generate(start + "cat", max_new_tokens=8, temperature=0)
     assert second.token_ids == expected.token_ids
 
 
 def test_same_prompt_twice_prefills_its_last_two_tokens() -> None:
     model, backend = make()
-    a = model.generate("again", max_new_tokens=5, temperature=0)
-    b = model.generate("again", max_new_tokens=5, temperature=0)
+    prompt = "again " * 5 + "again"  # 35 tokens: 33 could be reused, 32 are
+    a = model.generate(prompt, max_new_tokens=5, temperature=0)
+    b = model.generate(prompt, max_new_tokens=5, temperature=0)
     assert a.token_ids == b.token_ids
-    assert b.stats.reused_prompt_tokens == 3 and backend.prefilled[-1] == 2
+    assert b.stats.reused_prompt_tokens == 32 and backend.prefilled[-1] == 3
+    prompt = "x" * 34  # 32 may be reused and 2 prefilled again
+    model.generate(prompt, max_new_tokens=2, temperature=0)
+    c = model.generate(prompt, max_new_tokens=2, temperature=0)
+    assert c.stats.reused_prompt_tokens == 32 and backend.prefilled[-1] == 2
 
 
 def test_breaking_out_of_a_stream_leaves_the_model_usable() -> None:
