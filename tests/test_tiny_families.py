@@ -115,9 +115,9 @@ def test_gemma_gguf_logits_match_transformers_at_every_position(
     sliding windows long within 1e-2 of transformers (measured ~2e-3), the same argmax where
     the reference's top two are apart by more than that."""
     import torch
-    from llama_cpp import Llama
     from transformers import AutoModelForCausalLM
 
+    Llama = pytest.importorskip("llama_cpp", reason="needs the gguf extra").Llama
     reference = AutoModelForCausalLM.from_pretrained(tiny_gemma_hf, dtype=torch.float32).eval()
     f32_cache = 0  # GGML_TYPE_F32
     engine = Llama(str(tiny_gemma_gguf), n_ctx=256, logits_all=True, type_k=f32_cache,
