@@ -224,3 +224,16 @@ def test_forged_chat_generates(tiny_model: Model) -> None:
     assert result.stats.prompt_tokens == len(tiny_model._chat_ids(forged))
     with pytest.raises(InvalidRequestError, match="parse_special_in_content"):
         tiny_model.chat(forged, parse_special_in_content="yes")  # type: ignore[call-overload]
+
+
+def test_flash_attention_reads_every_prompt_whole(tiny_llama_gguf: Path) -> None:
+    """llama.cpp's flash-attention sums depend on how a prompt was split, so its cache is not
+    reused: a repeated prompt is read again and gives the same tokens."""
+    prompt = list(range(3, 60))
+    with edgeinfer.load(tiny_llama_gguf, context_length=128, threads=1, flash_attention=True) as m:
+        first = m.generate(prompt, max_new_tokens=4, temperature=0)
+        again = m.generate(prompt, max_new_tokens=4, temperature=0)
+    assert again.stats.reused_prompt_tokens == 0 and again.token_ids == first.token_ids
+    with edgeinfer.load(tiny_llama_gguf, context_length=128, threads=1) as m:
+        m.generate(prompt, max_new_tokens=4, temperature=0)
+        assert m.generate(prompt, max_new_tokens=4, temperature=0).stats.reused_prompt_tokens == 32
