@@ -8,6 +8,7 @@ context, then report the plan (context, batch, total and its parts) and the peak
     python benchmarks/bench_memory.py --grid               # contexts x batches (calibration)
     python benchmarks/bench_memory.py --parts              # RSS after each import/load step
     python benchmarks/bench_memory.py --model DIR --budgets 400MB 512MB 1GB
+    python benchmarks/bench_memory.py --threads 1 2 4      # each budget at 1, 2, 4 threads
 
 Linux only (VmHWM). Writes benchmarks/results/memory.json (or --out).
 """
@@ -26,7 +27,7 @@ import json, sys
 import edgeinfer
 from edgeinfer.memory import peak_rss
 model, budget, ctx, batch = sys.argv[1:5]
-fill = float(sys.argv[5])
+fill, threads = float(sys.argv[5]), int(sys.argv[6])
 kw = {}
 if budget != "-":
     kw["memory_budget"] = budget
@@ -35,7 +36,7 @@ if ctx != "-":
 if batch != "-":  # calibration only: force the prefill batch through the plan's result
     import edgeinfer.memory as m
     m._BATCHES = (int(batch),)
-with edgeinfer.load(model, threads=2, **kw) as llm:
+with edgeinfer.load(model, threads=threads, **kw) as llm:
     plan = llm.info["memory_plan"]
     n_ctx = llm.context_length
     unit = llm.tokenize("The quick brown fox jumps over the lazy dog. ")
@@ -95,20 +96,23 @@ def parts(model: str) -> int:
     return 0
 
 
-def run_case(model: str, budget: str, ctx: str, batch: str, fill: float) -> dict[str, Any]:
+def run_case(
+    model: str, budget: str, ctx: str, batch: str, fill: float, threads: int
+) -> dict[str, Any]:
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, model, budget, ctx, batch, str(fill)],
+        [sys.executable, "-c", CHILD, model, budget, ctx, batch, str(fill), str(threads)],
         capture_output=True,
         text=True,
         check=False,
     )
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["?"])[-1]
-        return {"budget": budget, "context": ctx, "error": last}
+        return {"budget": budget, "context": ctx, "threads": threads, "error": last}
     out = json.loads(done.stdout.strip().splitlines()[-1])
     plan = out["plan"]
     out.update(
         budget=budget,
+        threads=threads,
         planned=plan["total"],
         error_vs_peak=(plan["total"] - out["peak_rss"]) / out["peak_rss"],
         within_budget=out["peak_rss"] <= plan["budget"],
@@ -119,10 +123,11 @@ def run_case(model: str, budget: str, ctx: str, batch: str, fill: float) -> dict
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--budgets", nargs="*", default=["192MB", "256MB", "512MB", "1GB"])
+    ap.add_argument("--budgets", nargs="*", default=["200MB", "256MB", "512MB", "1GB"])
     ap.add_argument("--grid", action="store_true", help="contexts x batches, no budget")
     ap.add_argument("--parts", action="store_true", help="RSS after each import and load step")
     ap.add_argument("--fill", type=float, default=0.95, help="prompt share of the context")
+    ap.add_argument("--threads", type=int, nargs="*", default=[2], help="compute threads")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "memory.json")
     args = ap.parse_args()
     if args.parts:
@@ -134,23 +139,34 @@ def main() -> int:
         cases = [(b, "-", "-") for b in args.budgets]
     rows = []
     print(
-        f"{'budget':>8} {'ctx':>6} {'batch':>5} {'planned MB':>10} {'peak MB':>8} {'plan-peak':>9}"
+        f"{'budget':>8} {'thr':>3} {'ctx':>6} {'batch':>5} {'at load MB':>10} {'planned MB':>10} "
+        f"{'peak MB':>8} {'plan-peak':>9}"
     )
     for budget, ctx, batch in cases:
-        row = run_case(args.model, budget, ctx, batch, args.fill)
-        rows.append(row)
-        if "error" in row:
-            print(f"{budget:>8} {ctx:>6} {'':>5} {row['error']}")
-            continue
-        plan = row["plan"]
-        print(
-            f"{budget:>8} {row['context_length']:>6} {plan['batch_size']:>5} "
-            f"{row['planned'] / 1e6:>10.1f} {row['peak_rss'] / 1e6:>8.1f} "
-            f"{row['error_vs_peak']:>+9.1%}" + ("" if row["within_budget"] else "  OVER BUDGET")
-        )
+        for threads in args.threads:
+            row = run_case(args.model, budget, ctx, batch, args.fill, threads)
+            rows.append(row)
+            _print_row(row)
+    if rows and all("error" not in r for r in rows):
+        slack = [r["planned"] - r["peak_rss"] for r in rows]
+        print(f"plan - peak: min {min(slack) / 1e6:+.1f} MB, max {max(slack) / 1e6:+.1f} MB")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": args.model, "cases": rows}, indent=1) + "\n")
     return 0
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    if "error" in row:
+        print(f"{row['budget']:>8} {row['threads']:>3} {row['context']:>6} {row['error']}")
+        return
+    plan = row["plan"]
+    loaded = plan.get("loaded")
+    print(
+        f"{row['budget']:>8} {row['threads']:>3} {row['context_length']:>6} "
+        f"{plan['batch_size']:>5} {(loaded or 0) / 1e6:>10.1f} {row['planned'] / 1e6:>10.1f} "
+        f"{row['peak_rss'] / 1e6:>8.1f} {row['error_vs_peak']:>+9.1%}"
+        + ("" if row["within_budget"] else "  OVER BUDGET")
+    )
 
 
 if __name__ == "__main__":

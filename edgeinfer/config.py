@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import psutil
 
@@ -29,6 +30,9 @@ class LoadConfig:
     flash_attention: bool = False
     # Prefill batch (llama.cpp n_batch/n_ubatch; ONNX prefill chunk), set by the memory plan.
     batch_size: int | None = None
+    # Set by load(): re-fits the context to the memory measured once the weights are loaded
+    # (edgeinfer.memory.FitAtLoad); takes the model's trained context, returns the context.
+    fit_context: Callable[[int], int] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not self.device:
@@ -64,7 +68,13 @@ class LoadConfig:
         return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
     def context_for(self, trained: int) -> int:
-        """The context to size the KV cache for, given the model's trained context."""
+        """The context to size the KV cache for, given the model's trained context.
+
+        A backend calls this once the engine holds the weights and before it sizes the KV
+        cache: with ``fit_context`` set, the context is fitted then to the measured memory.
+        """
+        if self.fit_context is not None:
+            return self.fit_context(trained)
         if self.context_length is None:
             return min(trained, DEFAULT_CONTEXT_LENGTH) if trained > 0 else DEFAULT_CONTEXT_LENGTH
         if trained > 0 and self.context_length > trained:

@@ -20,7 +20,7 @@ from .errors import InvalidRequestError, ModelLoadError
 from .gguf_file import GGUF_MAGIC, read_gguf_header
 from .inventory import devices
 from .manifest import MANIFEST_NAME, PARTIAL_MARKER, Manifest
-from .memory import plan_memory, shape_of
+from .memory import FitAtLoad, plan_memory, shape_of
 from .model import Model
 from .policy import plan_providers
 
@@ -84,11 +84,18 @@ def load(
         flash_attention=flash_attention,
     )
     source = resolve(model)
-    memory = plan_memory(shape_of(source), budget=memory_budget, context_length=context_length)
-    config = dataclasses.replace(
-        config, context_length=memory.context_length, batch_size=memory.batch_size
+    shape = shape_of(source)
+    memory = plan_memory(
+        shape,
+        budget=memory_budget,
+        context_length=context_length,
+        threads=config.resolved_threads,
     )
-    logger.info("%s memory plan: %s", source.name, memory.describe())
+    # the backend re-fits the context to the resident set once it holds the weights
+    fit = FitAtLoad(shape, memory, fixed_context=context_length is not None)
+    config = dataclasses.replace(
+        config, context_length=memory.context_length, batch_size=memory.batch_size, fit_context=fit
+    )
     engine = "llama_cpp" if source.format == "gguf" else "onnxruntime"
     plan = plan_providers(
         devices(engines=(engine,)), source.format, device, allow_fallback=allow_fallback
@@ -96,13 +103,14 @@ def load(
     from .runtimes import open_backend
 
     backend, chain = open_backend(source, config, plan)
+    logger.info("%s memory plan: %s", source.name, fit.plan.describe())
     return Model(
         backend,
         name=source.name,
         path=source.path,
         model_format=source.format,
         provider_chain=chain,
-        memory_plan=memory,
+        memory_plan=fit.plan,
         context_overflow=context_overflow,
     )
 

@@ -21,6 +21,27 @@ trained context), trading prefill batch size for context when memory is short; a
 context that does not fit, or a budget below the weights and overheads, raises
 ``MemoryBudgetError`` before anything is allocated.
 
+Measured at load (``FitAtLoad``). What an engine makes of the weights depends on the machine:
+llama.cpp repacks some quantizations for the CPU's kernels (AVX2, AVX-512, AMX, NEON),
+onnxruntime's MLAS pre-packs int8 weights per instruction set, and the libraries themselves
+differ. So once the engine holds the weights, and before the KV cache is sized, the backend
+measures the process's resident set — counting the files the engine maps (the weights) at
+their full size, since their pages become resident only as kernels read them (an embedding
+row when its token first appears) — and the context is fitted again to what is left. What
+still grows after that point is the KV cache, the compute buffers and the compute threads.
+
+Margin (headroom), on top of every plan: 4 MiB + 2% of the planned total + 5% of what grows
+after the load (KV cache and compute), plus 2 MiB per compute thread in the compute term.
+Why: the per-thread term covers each thread's stack pages, its glibc malloc arena and its
+kernels' scratch (llama.cpp's work buffer share, MLAS's thread-local packing buffers); the
+peak moved by < 0.2 MiB per added thread here (GGUF and ONNX int8, 1 to 4 threads), so 2 MiB
+is 10x that. The fractions cover allocator slack that depends on the sequence of sizes
+(onnxruntime's arena, glibc's heap trimming) and kernels that pick other block sizes on
+other CPUs; the growth terms themselves were measured to over-estimate the growth here (see
+the README's memory table: peak - plan over every run). Before the load the weights are an
+estimate per quantization; after it, a machine whose engine keeps more resident gets a
+shorter context, not a broken promise.
+
 The constants below were measured on the development machine (x86-64, Linux, Python 3.11,
 llama-cpp-python 0.3.36, onnxruntime 1.32) with the default model (SmolLM2-135M: GGUF Q4_1
 and its ONNX conversions): the per-context and per-batch terms from
@@ -28,13 +49,15 @@ and its ONNX conversions): the per-context and per-batch terms from
 add ``--model DIR`` for an ONNX folder), the fixed terms from the resident set after each
 import and load step (``python benchmarks/bench_memory.py --parts [--model DIR]``).
 ``python benchmarks/bench_memory.py`` checks the plan against the measured peak under
-budgets. Other architectures, vocabularies and platforms
-were not measured: the weights, KV and score terms scale with the model's own metadata,
-the fixed terms do not.
+budgets and thread counts. Other architectures, vocabularies and platforms were not
+measured: the weights, KV and score terms scale with the model's own metadata, the fixed
+terms do not (and the weights are measured at load).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import re
 import sys
@@ -46,13 +69,17 @@ import psutil
 
 from .errors import InvalidRequestError, MemoryBudgetError
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "DEFAULT_BUDGET_FRACTION",
     "MIN_CONTEXT",
+    "FitAtLoad",
     "MemoryPlan",
     "parse_size",
     "peak_rss",
     "plan_memory",
+    "resident_with_mapped_files",
 ]
 
 MiB = 2**20
@@ -60,8 +87,11 @@ DEFAULT_BUDGET_FRACTION = 0.5  # of the RAM available now, when no budget is giv
 MIN_CONTEXT = 256  # tokens: a smaller plan is refused rather than offered
 _CONTEXT_STEP = 256
 _BATCHES = (512, 256, 128, 64, 32)  # prefill batch sizes tried, largest first
-_HEADROOM = 4 * MiB  # plus 2% of the total: allocator slack and Python objects per request
-_HEADROOM_FRACTION = 0.02
+# The margin (headroom) kept on top of every plan; why these figures: see "Margin" above.
+_HEADROOM = 4 * MiB
+_HEADROOM_FRACTION = 0.02  # of the planned total
+_GROWTH_MARGIN_FRACTION = 0.05  # of what grows after the load (KV cache, compute, threads)
+THREAD_BYTES = 2 * MiB  # per compute thread (see "Margin")
 
 # A fresh `python -c "import edgeinfer"` (Python, numpy, psutil, edgeinfer): used when
 # planning for another machine's inventory, where this process's own size means nothing.
@@ -79,6 +109,7 @@ class _EngineCosts:
     )
     score_bytes: float  # per (batch x context x attention head): scores and softmax
     compute_fixed_bytes: int  # per model: activations, logits of the last position
+    thread_bytes: int  # per compute thread: stack, allocator arena, kernel scratch
     logits_per_batch_token: int  # bytes of logits computed per prefill token (x vocab)
     weight_factor: dict[str, float]  # resident weights / bytes on disk, per quantization
 
@@ -95,6 +126,7 @@ _COSTS = {
         kv_factor=1.0,
         score_bytes=5.8,
         compute_fixed_bytes=11 * MiB,
+        thread_bytes=THREAD_BYTES,
         logits_per_batch_token=0,
         weight_factor={"default": 1.0},
     ),
@@ -103,7 +135,9 @@ _COSTS = {
     # computes logits for every prefill position. Measured on the default model's int8
     # conversion, resident memory grows by 2.75x the KV cache per token of context (two cache
     # instances during a step, plus attention workspace and arena slack); weight residency per
-    # quantization measured after session creation (pre-packing copies some weights).
+    # quantization measured after session creation (pre-packing copies some weights). int8:
+    # 1.55 counts the mapped fp32 embedding (113 MB, read row by row as tokens appear) in full
+    # besides the pre-packed int8 weights (measured at load with FitAtLoad's accounting).
     "onnx": _EngineCosts(
         import_bytes=22 * MiB,
         fixed_bytes=8 * MiB,
@@ -112,8 +146,12 @@ _COSTS = {
         kv_factor=2.75,
         score_bytes=8.0,
         compute_fixed_bytes=8 * MiB,
-        logits_per_batch_token=4,
-        weight_factor={"fp32": 1.05, "fp16": 1.05, "int8": 1.1, "int4": 1.05, "int8wo": 0.75,
+        thread_bytes=THREAD_BYTES,
+        # the graph's [batch, vocab] fp32 logits in the arena, plus the numpy copy of the
+        # previous prefill chunk's, alive while the next chunk runs (measured: +100 MB at
+        # batch 512 with a 49k vocabulary)
+        logits_per_batch_token=8,
+        weight_factor={"fp32": 1.05, "fp16": 1.05, "int8": 1.55, "int4": 1.05, "int8wo": 0.75,
                        "default": 1.2},
     ),
 }  # fmt: skip
@@ -163,6 +201,7 @@ class ModelShape:
     n_vocab: int
     trained_context: int
     tokenizer_bytes: int = 0
+    files: tuple[str, ...] = ()  # the files the engine maps (weights), as absolute paths
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -188,33 +227,43 @@ class MemoryPlan:
     context_length: int
     trained_context: int
     batch_size: int
-    compute: int
+    compute: int  # compute buffers and the compute threads' own memory
     headroom: int
+    threads: int = 1
+    # The resident set measured once the engine held the weights (mapped model files counted
+    # in full): replaces the estimated process + weights + engine in the total. None before.
+    loaded: int | None = None
 
     @property
     def kv_cache(self) -> int:
         return int(self.kv_bytes_per_token * self.kv_factor * self.context_length)
 
     @property
+    def resident_before_kv(self) -> int:
+        """What is resident before the KV cache: measured at load, else estimated."""
+        if self.loaded is not None:
+            return self.loaded
+        return self.process + self.weights + self.engine
+
+    @property
     def total(self) -> int:
-        return (
-            self.process
-            + self.weights
-            + self.engine
-            + self.kv_cache
-            + self.compute
-            + (self.headroom)
-        )
+        return self.resident_before_kv + self.kv_cache + self.compute + self.headroom
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "kv_cache": self.kv_cache, "total": self.total}
 
     def describe(self) -> str:
+        before = (
+            f"measured at load {_mb(self.loaded)}"
+            if self.loaded is not None
+            else f"process {_mb(self.process)}, weights {_mb(self.weights)}, engine "
+            f"{_mb(self.engine)}"
+        )
         return (
-            f"{_mb(self.total)} of {_mb(self.budget)} ({self.budget_source}): process "
-            f"{_mb(self.process)}, weights {_mb(self.weights)}, engine {_mb(self.engine)}, KV "
+            f"{_mb(self.total)} of {_mb(self.budget)} ({self.budget_source}): {before}, KV "
             f"cache {_mb(self.kv_cache)} ({self.context_length} tokens), compute "
-            f"{_mb(self.compute)} (batch {self.batch_size}), headroom {_mb(self.headroom)}"
+            f"{_mb(self.compute)} (batch {self.batch_size}, {self.threads} threads), headroom "
+            f"{_mb(self.headroom)}"
         )
 
 
@@ -270,6 +319,7 @@ def _gguf_shape(header: Any) -> ModelShape:
         kv_element_bytes=2,  # llama.cpp's default KV cache type: f16
         n_vocab=n_vocab,
         trained_context=int(header.arch_value("context_length", 0)),
+        files=(str(Path(header.path).resolve()),) if getattr(header, "path", None) else (),
     )
 
 
@@ -292,6 +342,7 @@ def _onnx_shape(folder: Path, manifest: Any) -> ModelShape:
         n_vocab=arch.vocab_size,
         trained_context=arch.max_context,
         tokenizer_bytes=tokenizer.stat().st_size if tokenizer.is_file() else 0,
+        files=tuple(str(p.resolve()) for p in files if p.is_file()),
     )
 
 
@@ -303,11 +354,16 @@ def plan_memory(
     available: int | None = None,
     process: int | None = None,
     engine_loaded: bool | None = None,
+    threads: int = 1,
+    loaded: int | None = None,
+    batches: tuple[int, ...] = _BATCHES,
 ) -> MemoryPlan:
     """Plan ``shape``'s memory within ``budget``; raise ``MemoryBudgetError`` if it cannot fit.
 
     ``available`` (RAM available now) and ``process`` (this process's resident set) default
-    to this machine's; pass a recorded machine's to plan for it.
+    to this machine's; pass a recorded machine's to plan for it. ``threads`` is the number of
+    compute threads. ``loaded`` is the resident set measured once the engine holds the
+    weights (see ``FitAtLoad``): it then replaces the estimated process, weights and engine.
     """
     costs = _COSTS[shape.format]
     if process is None:
@@ -316,13 +372,7 @@ def plan_memory(
         engine_loaded = ("llama_cpp" if shape.format == "gguf" else "onnxruntime") in sys.modules
     if not engine_loaded:
         process += costs.import_bytes
-    if budget is None:
-        free = psutil.virtual_memory().available if available is None else available
-        limit = process + int(free * DEFAULT_BUDGET_FRACTION)
-        source = f"{DEFAULT_BUDGET_FRACTION:.0%} of the {free / 1e6:.0f} MB available"
-    else:
-        limit = parse_size(budget)
-        source = "memory_budget"
+    limit, source = _budget(budget, process, available)
     factor = costs.weight_factor.get(shape.quantization, costs.weight_factor["default"])
     base = dict(
         budget=limit,
@@ -337,6 +387,8 @@ def plan_memory(
         kv_bytes_per_token=shape.kv_bytes_per_token,
         kv_factor=costs.kv_factor,
         trained_context=shape.trained_context,
+        threads=threads,
+        loaded=loaded,
     )
 
     def plan_for(ctx: int, batch: int) -> MemoryPlan:
@@ -345,33 +397,54 @@ def plan_memory(
             costs.score_bytes * batch * ctx * shape.n_heads
             + costs.logits_per_batch_token * batch * shape.n_vocab
             + costs.compute_fixed_bytes
+            + costs.thread_bytes * threads
         )
         draft = MemoryPlan(
             **base, context_length=ctx, batch_size=batch, compute=compute, headroom=0
         )
-        headroom = _HEADROOM + int(_HEADROOM_FRACTION * draft.total)
-        return MemoryPlan(
-            **base, context_length=ctx, batch_size=batch, compute=compute, headroom=headroom
-        )
+        return dataclasses.replace(draft, headroom=_headroom(draft))
 
-    trained = shape.trained_context if shape.trained_context > 0 else 2**31
+    return _fit(plan_for, context_length, shape.trained_context, limit, batches)
+
+
+def _budget(budget: int | str | None, process: int, available: int | None) -> tuple[int, str]:
+    """The budget in bytes and where it came from."""
+    if budget is not None:
+        return parse_size(budget), "memory_budget"
+    free = psutil.virtual_memory().available if available is None else available
+    limit = process + int(free * DEFAULT_BUDGET_FRACTION)
+    return limit, f"{DEFAULT_BUDGET_FRACTION:.0%} of the {free / 1e6:.0f} MB available"
+
+
+def _headroom(draft: MemoryPlan) -> int:
+    """The margin on top of ``draft`` (whose headroom is 0): see "Margin" above."""
+    growth = draft.kv_cache + draft.compute
+    return int(_HEADROOM + _HEADROOM_FRACTION * draft.total + _GROWTH_MARGIN_FRACTION * growth)
+
+
+def _fit(
+    plan_for: Any, context_length: int | None, trained_context: int, limit: int,
+    batches: tuple[int, ...],
+) -> MemoryPlan:  # fmt: skip
+    """The plan for ``context_length``, else the largest context that fits ``limit``."""
+    trained = trained_context if trained_context > 0 else 2**31
     if context_length is not None:
         if context_length > trained:
             raise InvalidRequestError(
                 f"context_length={context_length} exceeds the model's trained context "
                 f"({trained} tokens); use at most {trained}"
             )
-        fits = [p for p in (plan_for(context_length, b) for b in _BATCHES) if p.total <= limit]
+        fits = [p for p in (plan_for(context_length, b) for b in batches) if p.total <= limit]
         if fits:
             return fits[0]
-        raise _refusal(plan_for(context_length, _BATCHES[-1]), "context_length")
+        raise _refusal(plan_for(context_length, batches[-1]), "context_length")
     best: MemoryPlan | None = None
-    for batch in _BATCHES:
+    for batch in batches:
         ctx = _largest_context(plan_for, batch, limit, trained)
         if ctx and (best is None or ctx > best.context_length):
             best = plan_for(ctx, batch)
     if best is None or best.context_length < min(MIN_CONTEXT, trained):
-        raise _refusal(plan_for(min(MIN_CONTEXT, trained), _BATCHES[-1]), "budget")
+        raise _refusal(plan_for(min(MIN_CONTEXT, trained), batches[-1]), "budget")
     return best
 
 
@@ -396,9 +469,98 @@ def _refusal(plan: MemoryPlan, cause: str) -> MemoryBudgetError:
         if cause == "context_length"
         else "use a bigger memory_budget or a smaller quantization (a smaller model file)"
     )
+    before = (
+        f"{_mb(plan.loaded)} resident once the weights were loaded (measured)"
+        if plan.loaded is not None
+        else f"process {_mb(plan.process)}, weights {_mb(plan.weights)}, engine {_mb(plan.engine)}"
+    )
     return MemoryBudgetError(
         f"the model needs {needed / 1e6:.0f} MB with a {plan.context_length}-token context but "
-        f"the budget is {plan.budget / 1e6:.0f} MB ({plan.budget_source}): process "
-        f"{_mb(plan.process)}, weights {_mb(plan.weights)}, engine {_mb(plan.engine)}, KV "
+        f"the budget is {plan.budget / 1e6:.0f} MB ({plan.budget_source}): {before}, KV "
         f"cache {_mb(plan.kv_cache)}, compute {_mb(plan.compute)}; {advice}"
     )
+
+
+# -- measured at load ----------------------------------------------------------------------
+
+
+def resident_with_mapped_files(files: tuple[str, ...]) -> int | None:
+    """This process's resident set now, with ``files``' mappings counted at their full size.
+
+    An engine maps its weights file and reads it lazily: a page becomes resident when a
+    kernel first reads it (an embedding row when its token first appears), so the weights
+    count in full although some are not resident yet. Linux only (``/proc/self/smaps``);
+    None elsewhere.
+    """
+    try:
+        with open("/proc/self/smaps", encoding="utf-8", errors="replace") as fh:
+            lines = fh.readlines()
+    except OSError:
+        return None
+    rss = mapped_rss = mapped_size = 0
+    in_file = False
+    for line in lines:
+        fields = line.split()
+        if not fields:
+            continue
+        if not fields[0].endswith(":"):  # a mapping's header: address perms offset dev inode path
+            in_file = len(fields) >= 6 and " ".join(fields[5:]) in files
+        elif fields[0] == "Rss:":
+            rss += int(fields[1]) * 1024
+            mapped_rss += int(fields[1]) * 1024 if in_file else 0
+        elif fields[0] == "Size:" and in_file:
+            mapped_size += int(fields[1]) * 1024
+    return rss - mapped_rss + mapped_size
+
+
+class FitAtLoad:
+    """Re-fits a plan to the resident set measured once the engine holds the weights.
+
+    What an engine makes of the weights depends on the CPU it runs on (llama.cpp repacks
+    some quantizations for AVX2/NEON/AMX kernels, onnxruntime's MLAS pre-packs int8 weights
+    per instruction set), so the plan's weight and engine terms are estimates. A backend calls
+    this (through ``LoadConfig.context_for``) after loading the weights and before sizing the
+    KV cache: the measured resident set replaces the estimate and the context is fitted again
+    (the prefill batch is kept). An explicit context that no longer fits, or a load whose peak
+    already passed the budget, raises ``MemoryBudgetError``. ``plan`` is the plan in force.
+    """
+
+    def __init__(self, shape: ModelShape, plan: MemoryPlan, *, fixed_context: bool) -> None:
+        self._shape = shape
+        self._fixed_context = fixed_context
+        self.plan = plan
+
+    def __call__(self, trained: int) -> int:
+        plan = self.plan
+        loaded = resident_with_mapped_files(self._shape.files)
+        if loaded is None:  # no /proc: keep the estimate
+            return plan.context_length
+        load_peak = peak_rss()
+        if load_peak > plan.budget:
+            raise MemoryBudgetError(
+                f"loading the model took {_mb(load_peak)} at its peak, over the budget of "
+                f"{_mb(plan.budget)} ({plan.budget_source}); use a bigger memory_budget or a "
+                "smaller quantization (a smaller model file)"
+            )
+        shape = self._shape
+        if trained > 0 and (shape.trained_context <= 0 or trained < shape.trained_context):
+            shape = dataclasses.replace(shape, trained_context=trained)
+        fitted = plan_memory(
+            shape,
+            budget=plan.budget,
+            context_length=plan.context_length if self._fixed_context else None,
+            process=plan.process,
+            engine_loaded=True,
+            threads=plan.threads,
+            loaded=loaded,
+            batches=(plan.batch_size,),
+        )
+        self.plan = dataclasses.replace(fitted, budget_source=plan.budget_source)
+        logger.debug(
+            "resident once the weights were loaded: %s (estimated %s); context %d -> %d",
+            _mb(loaded),
+            _mb(plan.resident_before_kv),
+            plan.context_length,
+            self.plan.context_length,
+        )
+        return self.plan.context_length
