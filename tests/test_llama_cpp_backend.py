@@ -79,7 +79,7 @@ def test_stream_joins_to_generate_on_multibyte_answers(
         == reference_text(default_model, result.token_ids)
     )
     assert sum(len(c.token_ids) for c in chunks) == len(result.token_ids) == max_new_tokens
-    assert result.text and all(ord(ch) > 127 for ch in result.text)
+    assert any(ord(ch) > 127 for ch in result.text)  # every token has a non-ASCII byte
     for chunk in chunks:
         chunk.text.encode("utf-8")  # no lone surrogates
 
