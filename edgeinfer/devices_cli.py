@@ -108,9 +108,10 @@ def _memory(
     source: Any, inventory: DeviceInventory, args: argparse.Namespace
 ) -> tuple[MemoryPlan | None, str | None]:
     shape = shape_of(source)
-    kwargs: dict[str, Any] = {}
+    # load() computes on the physical cores by default: plan with as many threads
+    kwargs: dict[str, Any] = {"threads": max(1, inventory.physical_cores or 1)}
     if args.inventory:  # another machine: a fresh process there, its available RAM
-        kwargs = dict(
+        kwargs.update(
             available=inventory.available_ram, process=FRESH_PROCESS_BYTES, engine_loaded=False
         )
     try:
