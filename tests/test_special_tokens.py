@@ -29,11 +29,14 @@ def _gguf_vocab(path: Path) -> list[tuple[str, int]]:
     return list(zip(texts, (int(types.parts[i][0]) for i in types.data), strict=True))
 
 
-@pytest.fixture(params=["tiny_llama_gguf", "tiny_gemma_gguf"], scope="module")
-def gguf_model(request: pytest.FixtureRequest) -> Iterator[tuple[Model, Path]]:
+def _loaded(request: pytest.FixtureRequest) -> Iterator[tuple[Model, Path]]:
     path: Path = request.getfixturevalue(request.param)
     with edgeinfer.load(path, context_length=128, threads=1) as model:
         yield model, path
+
+
+gguf_model = pytest.fixture(params=["tiny_llama_gguf", "tiny_gemma_gguf"], scope="module")(_loaded)
+onnx_model = pytest.fixture(params=["tiny_llama_onnx", "tiny_gemma_onnx"], scope="module")(_loaded)
 
 
 def test_every_gguf_token_type_follows_the_rule(gguf_model: tuple[Model, Path]) -> None:
@@ -73,13 +76,6 @@ def test_gemma_user_defined_markers_are_hidden_and_html_tags_are_text(
         assert all("<start_of_image>" not in c.text for c in chunks)
         result = model.generate("Hello", max_new_tokens=3, temperature=0, logit_bias={table: 100.0})
         assert "<table>" in result.text
-
-
-@pytest.fixture(params=["tiny_llama_onnx", "tiny_gemma_onnx"], scope="module")
-def onnx_model(request: pytest.FixtureRequest) -> Iterator[tuple[Model, Path]]:
-    path: Path = request.getfixturevalue(request.param)
-    with edgeinfer.load(path, context_length=128, threads=1) as model:
-        yield model, path
 
 
 def test_tokenizer_json_added_tokens_follow_the_rule(onnx_model: tuple[Model, Path]) -> None:
