@@ -27,7 +27,7 @@ Prompt = str | Sequence[int]
 Messages = Sequence[Mapping[str, Any]]
 
 
-def token_ids(values: Sequence[Any], n_vocab: int, what: str) -> list[int]:
+def checked_token_ids(values: Sequence[Any], n_vocab: int, what: str) -> list[int]:
     """``values`` as a list of token ids, each an integer (not a bool, a float or a string)
     in ``0..n_vocab-1``; anything else is an InvalidRequestError naming its position."""
     ids: list[int] = []
@@ -220,14 +220,16 @@ class Model:
             raise InvalidRequestError(f"tokenize() takes text, not {type(text).__name__}")
         return self._tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
 
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """The text of ``ids``; control tokens add nothing, invalid UTF-8 becomes U+FFFD."""
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids``; control tokens add nothing, invalid UTF-8 becomes U+FFFD."""
         self._require_open()
-        if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Sequence):
+        if isinstance(token_ids, np.ndarray) and token_ids.ndim == 1:
+            token_ids = token_ids.tolist()
+        if isinstance(token_ids, (str, bytes, bytearray)) or not isinstance(token_ids, Sequence):
             raise InvalidRequestError(
-                f"detokenize() takes a list of token ids, not {type(ids).__name__}"
+                f"detokenize() takes a list of token ids, not {type(token_ids).__name__}"
             )
-        checked = token_ids(ids, self._tokenizer.n_vocab, "detokenize()")
+        checked = checked_token_ids(token_ids, self._tokenizer.n_vocab, "detokenize()")
         pieces = b"".join(self._tokenizer.token_bytes(t) for t in checked)
         return pieces.decode("utf-8", errors="replace")
 
@@ -290,7 +292,7 @@ class Model:
             raise InvalidRequestError(
                 f"prompt must be text or a list of token ids, not {type(prompt).__name__}"
             )
-        return token_ids(prompt, self._tokenizer.n_vocab, "prompt")
+        return checked_token_ids(prompt, self._tokenizer.n_vocab, "prompt")
 
     def _locked(
         self, ids: list[int], sampler: Sampler, cancel: threading.Event, keep: int, wait: bool

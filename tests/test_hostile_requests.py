@@ -69,7 +69,9 @@ def test_detokenize_takes_a_list_of_ids(fake_model: Model, ids: Any) -> None:
 
 def test_numpy_ids_are_accepted(fake_model: Model) -> None:
     ids = np.array([104, 105], dtype=np.int32)
-    assert fake_model.detokenize(list(ids)) == "hi"
+    assert fake_model.detokenize(list(ids)) == "hi" == fake_model.detokenize(ids)
+    with pytest.raises(InvalidRequestError, match="not a token id"):
+        fake_model.detokenize(np.array([104.0, 105.5]))
     assert fake_model.generate(list(ids), max_new_tokens=2).stats.prompt_tokens == 2
 
 
