@@ -29,6 +29,12 @@ __all__ = [
 ]
 
 
+def short_repr(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: messages name a huge argument, not echo it."""
+    shown = repr(value)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
 class EdgeInferError(Exception):
     """Base class of every error edgeinfer raises on purpose."""
 

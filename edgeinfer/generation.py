@@ -93,7 +93,7 @@ class KVHistory:
         one, so a repeated prompt would otherwise not give what it gave the first time.
         """
         limit = min(self.batched, len(prompt) - _MIN_PREFILL, backend.n_past)
-        if not getattr(backend, "reuse_is_exact", True):
+        if not backend.reuse_is_exact:
             limit = 0  # the engine's sums depend on how the prompt was split: read it whole
         n = 0
         while n < limit and self.tokens[n] == prompt[n]:

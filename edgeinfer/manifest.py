@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, NoReturn
 
-from .errors import ModelLoadError
+from .errors import ModelLoadError, short_repr
 
 __all__ = [
     "ARCHITECTURE_LIMITS",
@@ -182,11 +182,9 @@ class _Fields:
 
     def fail(self, key: str, value: Any, why: str) -> NoReturn:
         name = (self.prefix + key).rstrip(".") or "the manifest"
-        shown = repr(value)
-        shown = shown if len(shown) <= 80 else shown[:77] + "..."
         raise ModelLoadError(
-            f"{self.where}: {name}={shown} {why}; the manifest is damaged or was not written "
-            "by edgeinfer — re-convert the model"
+            f"{self.where}: {name}={short_repr(value)} {why}; the manifest is damaged or was "
+            "not written by edgeinfer — re-convert the model"
         )
 
     def get(self, key: str, default: Any = _MISSING) -> Any:

@@ -13,10 +13,10 @@ from . import generation
 from ._turns import Turns
 from .chat_template import render_chat
 from .chat_tokens import encode_chat
-from .errors import EdgeInferError, InvalidRequestError
+from .errors import EdgeInferError, InvalidRequestError, short_repr
 from .generation import Chunk, GenerationResult, KVHistory, TokenStream
 from .memory import MemoryPlan
-from .sampling import Sampler, SamplingConfig
+from .sampling import Sampler, SamplingConfig, is_int
 
 if TYPE_CHECKING:
     from .runtimes.base import Backend
@@ -32,9 +32,9 @@ def checked_token_ids(values: Sequence[Any], n_vocab: int, what: str) -> list[in
     in ``0..n_vocab-1``; anything else is an InvalidRequestError naming its position."""
     ids: list[int] = []
     for i, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        if not is_int(value):
             raise InvalidRequestError(
-                f"{what}[{i}]={_short(value)} is not a token id: token ids are integers"
+                f"{what}[{i}]={short_repr(value, 40)} is not a token id: token ids are integers"
             )
         if not 0 <= value < n_vocab:
             raise InvalidRequestError(
@@ -42,11 +42,6 @@ def checked_token_ids(values: Sequence[Any], n_vocab: int, what: str) -> list[in
             )
         ids.append(int(value))
     return ids
-
-
-def _short(value: object) -> str:
-    shown = repr(value)
-    return shown if len(shown) <= 40 else shown[:37] + "..."
 
 
 class Model:

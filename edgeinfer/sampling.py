@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import BackendUnavailableError, InvalidRequestError
+from .errors import BackendUnavailableError, InvalidRequestError, short_repr
 
 __all__ = ["MAX_LOGIT_BIAS", "Sampler", "SamplingConfig"]
 
@@ -33,7 +33,8 @@ _MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
 _TOP_P_FIRST_GUESS = 64
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An integer (Python or numpy), not a bool."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
@@ -42,10 +43,7 @@ def _is_number(value: object) -> bool:
 
 
 def _bad(name: str, value: object, expected: str) -> InvalidRequestError:
-    shown = repr(value)
-    if len(shown) > 80:  # a huge argument is named, not echoed whole
-        shown = shown[:77] + "..."
-    return InvalidRequestError(f"{name}={shown} is invalid: expected {expected}")
+    return InvalidRequestError(f"{name}={short_repr(value)} is invalid: expected {expected}")
 
 
 @dataclass(frozen=True)
@@ -73,11 +71,11 @@ class SamplingConfig:
         self._validate_collections()
 
     def _validate_numbers(self) -> None:
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise _bad("max_new_tokens", self.max_new_tokens, "an integer >= 1")
         if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise _bad("temperature", self.temperature, "a finite number >= 0 (0 = greedy)")
-        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 0):
+        if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 0):
             raise _bad("top_k", self.top_k, "None, 0 (off) or an integer >= 1")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise _bad("top_p", self.top_p, "a number in (0, 1]; 1 turns it off")
@@ -86,9 +84,9 @@ class SamplingConfig:
         penalty = self.repetition_penalty
         if not _is_number(penalty) or not 0 < penalty < math.inf:
             raise _bad("repetition_penalty", penalty, "a finite number > 0; 1 turns it off")
-        if not _is_int(self.repetition_window) or self.repetition_window < 0:
+        if not is_int(self.repetition_window) or self.repetition_window < 0:
             raise _bad("repetition_window", self.repetition_window, "an integer >= 0")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**64):
             raise _bad("seed", self.seed, "None or an integer in [0, 2**64)")
 
     def _validate_collections(self) -> None:
@@ -130,7 +128,7 @@ def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
         if not isinstance(item, (list, tuple)) or len(item) != 2:
             raise _bad("logit_bias", value, expected)
         token, bias = item
-        if not _is_int(token) or token < 0 or not _is_number(bias):
+        if not is_int(token) or token < 0 or not _is_number(bias):
             raise _bad("logit_bias", value, expected)
         bias = float(bias)
         if not (abs(bias) <= MAX_LOGIT_BIAS or bias == -math.inf):

