@@ -1,4 +1,4 @@
-"""The ``edgeinfer`` command: run, chat, models, devices, convert.
+"""The ``edgeinfer`` command: run, chat, models, devices, convert, bench.
 
 Every EdgeInferError becomes one line on stderr and exit status 1.
 """
@@ -15,6 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 from . import __version__, catalog, devices_cli
+from .bench import cli as bench_cli
 from .errors import EdgeInferError, InvalidRequestError
 
 logger = logging.getLogger("edgeinfer")
@@ -125,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_convert_parser(sub)
     devices_cli.add_parser(sub)
+    bench_cli.add_parser(sub)
 
     models = sub.add_parser("models", help="list, fetch or locate catalog models")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
@@ -328,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "models": cmd_models,
         "convert": cmd_convert,
         "devices": devices_cli.cmd_devices,
+        "bench": bench_cli.cmd_bench,
     }
     try:
         return commands[args.command](args)

@@ -1,0 +1,166 @@
+"""``edgeinfer bench MODEL [MODEL ...]``: prompt processing and generation speed, time to
+first token and peak memory on this machine, beside the peers installed (``--compare``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidRequestError
+from .report import plot_missing_message
+from .runner import BenchSettings, ProgressLine, run_bench
+
+EXIT_INTERRUPTED = 130
+
+
+def int_list(flag: str, text: str) -> tuple[int, ...]:
+    """``"128,512"`` -> ``(128, 512)``; an empty or malformed list names the flag."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        if not text.strip() or any(not p for p in parts):
+            raise ValueError
+        return tuple(int(p) for p in parts)
+    except ValueError:
+        raise InvalidRequestError(
+            f"{flag} {text!r} is invalid: expected whole numbers separated by commas, e.g. 128,512"
+        ) from None
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="measure speed and memory of models on this machine, beside the peers",
+        description="For each MODEL and each combination of prompt length and thread count: "
+        "prompt processing (pp) and token generation (tg) tokens/s, time to first token, the "
+        "peak resident memory of the process and the memory plan's total. Each run is a fresh "
+        "process; the workload is the same prompt token ids for every engine, greedy, with "
+        "the end-of-generation tokens banned so every run generates -n tokens. --compare runs "
+        "the same workload through the peers installed here (llama-cpp-python for a GGUF, "
+        "optimum for an ONNX folder with config.json, onnxruntime-genai for a folder its "
+        "builder made), interleaved round by round, with each row's ratio to edgeinfer.",
+        epilog="Example: edgeinfer bench smollm2-135m-instruct -p 128,512 -n 128 -r 5 --compare",
+    )
+    p.add_argument("models", nargs="+", metavar="MODEL", help="catalog name, .gguf file or folder")
+    p.add_argument(
+        "-p",
+        "--prompt-tokens",
+        default="128,512",
+        metavar="N[,N...]",
+        help="prompt lengths in tokens (default: 128,512)",
+    )
+    p.add_argument(
+        "-n",
+        "--new-tokens",
+        type=int,
+        default=128,
+        metavar="N",
+        help="tokens to generate after each prompt (default: 128)",
+    )
+    p.add_argument(
+        "-r",
+        "--repetitions",
+        type=int,
+        default=5,
+        metavar="N",
+        help="measured runs per configuration and engine (default: 5)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        metavar="N",
+        help="runs before the measured ones, not counted (default: 1)",
+    )
+    p.add_argument(
+        "--threads",
+        default=None,
+        metavar="N[,N...]",
+        help="compute thread counts, the same for every engine (default: the physical cores)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="edgeinfer's device (as for run); peers use the device edgeinfer chose "
+        "(default: auto)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        help="edgeinfer's memory budget, e.g. 512MB; the plan's total is shown beside the "
+        "measured peak (default: load()'s)",
+    )
+    p.add_argument(
+        "--context-length",
+        type=int,
+        metavar="N",
+        help="context for every engine (default: the longest prompt plus -n, rounded up to "
+        "256, at least 1024)",
+    )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="run the peers installed here beside edgeinfer; a missing one is skipped with "
+        "how to add it",
+    )
+    p.add_argument(
+        "--peer-model",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="the peer's own file or folder when it differs from MODEL (repeatable; e.g. an "
+        "onnxruntime-genai folder of the same model)",
+    )
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print one JSON object instead")
+    out.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="also draw decode tok/s and peak RSS per configuration (needs matplotlib)",
+    )
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise InvalidRequestError(plot_missing_message()) from None
+        if not args.plot.parent.is_dir():
+            raise InvalidRequestError(
+                f"--plot {args.plot}: folder {args.plot.parent} does not exist"
+            )
+    settings = BenchSettings(
+        models=tuple(args.models),
+        prompt_tokens=int_list("-p/--prompt-tokens", args.prompt_tokens),
+        new_tokens=args.new_tokens,
+        repetitions=args.repetitions,
+        warmup=args.warmup,
+        threads=int_list("--threads", args.threads) if args.threads is not None else (),
+        device=args.device,
+        memory_budget=args.memory_budget,
+        context_length=args.context_length,
+        compare=args.compare,
+        peer_models=tuple(args.peer_model),
+    )
+    report = run_bench(settings, progress=ProgressLine(sys.stderr))
+    if args.json:
+        json.dump(report.to_dict(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(report.text(markdown=args.markdown))
+    sys.stdout.flush()
+    if args.plot is not None and report.measured():
+        report.plot(args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    if report.interrupted:
+        return EXIT_INTERRUPTED
+    if report.errors:
+        for line in report.errors:
+            print(f"edgeinfer: {line}", file=sys.stderr)
+        return 1
+    return 0
