@@ -358,7 +358,10 @@ def test_peers_for_names_what_is_missing(
     peers, skipped = peers_for(tiny_llama_gguf, "gguf", (str(genai),))
     assert peers == []
     assert skipped == [
-        "skipping onnxruntime-genai: not installed here; add it with pip install onnxruntime-genai"
+        "skipping llama-cpp-python: not installed here; add it with pip install "
+        "'edgeinfer[gguf]' (llama-cpp-python)",
+        "skipping onnxruntime-genai: not installed here; add it with pip install "
+        "onnxruntime-genai",
     ]
     with pytest.raises(InvalidRequestError, match="not a model a peer runs"):
         peers_for(tiny_llama_gguf, "gguf", (str(tmp_path),))
@@ -366,10 +369,19 @@ def test_peers_for_names_what_is_missing(
     assert "--peer-model" in skipped[0]
 
 
-def test_settings_refuse_peer_model_with_two_models(tiny_llama_gguf: Path) -> None:
-    bad = settings(tiny_llama_gguf, models=("a", "b"), peer_models=(str(tiny_llama_gguf),))
-    with pytest.raises(InvalidRequestError, match="one MODEL"):
-        bad.checked()
+def test_peer_model_takes_the_place_of_ours_for_its_peer(
+    tiny_llama_gguf: Path, tiny_llama_onnx: Path, tmp_path: Path
+) -> None:
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF")
+    peers, _ = peers_for(tiny_llama_gguf, "gguf", (str(other),))
+    assert [(p.engine, p.path) for p in peers] == [("llama-cpp-python", other)]
+    peers, _ = peers_for(tiny_llama_onnx, "onnx", (str(other),))
+    engines = [p.engine for p in peers]
+    assert "llama-cpp-python" in engines and len(engines) == len(set(engines))
+
+
+def test_a_model_that_is_not_there_fails_before_any_run() -> None:
     with pytest.raises(ModelLoadError):
         run_bench(settings(Path("/no/such.gguf")), runner=Recorded(), progress=Quiet(), machine={})
 

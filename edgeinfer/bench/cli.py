@@ -110,8 +110,9 @@ def add_parser(sub: Any) -> None:
         action="append",
         default=[],
         metavar="PATH",
-        help="the peer's own file or folder when it differs from MODEL (repeatable; e.g. an "
-        "onnxruntime-genai folder of the same model)",
+        help="a peer's own file or folder of the same model, run beside every MODEL "
+        "(repeatable): an onnxruntime-genai folder, an optimum export, a .gguf; it takes the "
+        "place of MODEL for that peer",
     )
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print one JSON object instead")

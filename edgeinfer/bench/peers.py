@@ -63,27 +63,28 @@ def peers_for(
     model_path: Path, model_format: str, peer_models: tuple[str, ...] = ()
 ) -> tuple[list[Peer], list[str]]:
     """The peers to run beside edgeinfer on ``model_path`` and the lines explaining the ones
-    skipped. With ``peer_models`` the peers run those files instead of ours."""
+    skipped. A peer runs our file when it can; a file or folder in ``peer_models`` adds its
+    peer, or replaces our file for that peer."""
     wanted: list[Peer] = []
-    if peer_models:
-        for text in peer_models:
-            path = Path(text).expanduser()
-            if not path.exists():
-                raise InvalidRequestError(f"--peer-model {text}: no such file or folder")
-            kind = peer_kind(path)
-            if kind is None:
-                raise InvalidRequestError(
-                    f"--peer-model {text}: not a model a peer runs (a .gguf file for "
-                    "llama-cpp-python, a folder with genai_config.json for onnxruntime-genai, "
-                    "or a folder with config.json and an .onnx file for optimum)"
-                )
-            wanted.append(Peer(kind, path))
-    elif model_format == "gguf":
+    if model_format == "gguf":
         wanted.append(Peer("llama-cpp-python", model_path))
     else:
         kind = peer_kind(model_path)
         if kind is not None:
             wanted.append(Peer(kind, model_path))
+    for text in peer_models:
+        path = Path(text).expanduser()
+        if not path.exists():
+            raise InvalidRequestError(f"--peer-model {text}: no such file or folder")
+        kind = peer_kind(path)
+        if kind is None:
+            raise InvalidRequestError(
+                f"--peer-model {text}: not a model a peer runs (a .gguf file for "
+                "llama-cpp-python, a folder with genai_config.json for onnxruntime-genai, "
+                "or a folder with config.json and an .onnx file for optimum)"
+            )
+        # the peer's own model takes the place of ours for that peer
+        wanted = [p for p in wanted if p.engine != kind] + [Peer(kind, path)]
     peers: list[Peer] = []
     skipped: list[str] = []
     for peer in wanted:

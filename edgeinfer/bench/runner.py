@@ -96,10 +96,6 @@ class BenchSettings:
             )
         if self.peer_models and not self.compare:
             raise InvalidRequestError("--peer-model names a peer's model: add --compare")
-        if self.peer_models and len(self.models) > 1:
-            raise InvalidRequestError(
-                "--peer-model belongs to one MODEL: benchmark one model at a time with it"
-            )
         return BenchSettings(
             models=tuple(self.models),
             prompt_tokens=tuple(self.prompt_tokens),

@@ -108,7 +108,7 @@ def run_llama_cpp_python(spec: Spec) -> dict[str, Any]:
         llm.close()
     return {
         **timings(t0, stamps, len(ids)),
-        "provider": "llama.cpp",
+        "provider": "llama.cpp:GPU" if spec.get("n_gpu_layers") else "llama.cpp:CPU",
         "device": spec["device"],
         "context_length": spec["context_length"],
     }
@@ -180,8 +180,9 @@ def run_onnxruntime_genai(spec: Spec) -> dict[str, Any]:
             }
         )
     )
-    if spec["device"] in ("cuda", "gpu"):
-        config.clear_providers()
+    config.clear_providers()  # none: the CPU
+    device = "cuda" if spec["device"] in ("cuda", "gpu") else "cpu"
+    if device == "cuda":
         config.append_provider("cuda")
     model = og.Model(config)
     params = og.GeneratorParams(model)
@@ -197,7 +198,11 @@ def run_onnxruntime_genai(spec: Spec) -> dict[str, Any]:
         generator.get_next_tokens()
         stamps.append(time.perf_counter())
     del generator
-    return {**timings(t0, stamps, len(ids)), "provider": "onnxruntime-genai", "device": "cpu"}
+    return {
+        **timings(t0, stamps, len(ids)),
+        "provider": f"onnxruntime-genai:{device}",
+        "device": device,
+    }
 
 
 ENGINES: dict[str, Callable[[Spec], dict[str, Any]]] = {
