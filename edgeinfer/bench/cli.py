@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidRequestError
-from .report import plot_missing_message
+from .report import BenchReport, plot_missing_message
 from .runner import BenchSettings, ProgressLine, run_bench
 
 EXIT_INTERRUPTED = 130
@@ -43,7 +43,9 @@ def add_parser(sub: Any) -> None:
         "builder made), interleaved round by round, with each row's ratio to edgeinfer.",
         epilog="Example: edgeinfer bench smollm2-135m-instruct -p 128,512 -n 128 -r 5 --compare",
     )
-    p.add_argument("models", nargs="+", metavar="MODEL", help="catalog name, .gguf file or folder")
+    p.add_argument(
+        "models", nargs="*", metavar="MODEL", help="catalog name, .gguf file or model folder"
+    )
     p.add_argument(
         "-p",
         "--prompt-tokens",
@@ -114,6 +116,13 @@ def add_parser(sub: Any) -> None:
         "(repeatable): an onnxruntime-genai folder, an optimum export, a .gguf; it takes the "
         "place of MODEL for that peer",
     )
+    p.add_argument(
+        "--from",
+        dest="saved",
+        type=Path,
+        metavar="FILE.json",
+        help="print (or --plot) a result saved with --json again instead of measuring",
+    )
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print one JSON object instead")
     out.add_argument("--markdown", action="store_true", help="print a Markdown table")
@@ -135,20 +144,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise InvalidRequestError(
                 f"--plot {args.plot}: folder {args.plot.parent} does not exist"
             )
-    settings = BenchSettings(
-        models=tuple(args.models),
-        prompt_tokens=int_list("-p/--prompt-tokens", args.prompt_tokens),
-        new_tokens=args.new_tokens,
-        repetitions=args.repetitions,
-        warmup=args.warmup,
-        threads=int_list("--threads", args.threads) if args.threads is not None else (),
-        device=args.device,
-        memory_budget=args.memory_budget,
-        context_length=args.context_length,
-        compare=args.compare,
-        peer_models=tuple(args.peer_model),
-    )
-    report = run_bench(settings, progress=ProgressLine(sys.stderr))
+    if args.saved is not None:
+        if args.models:
+            raise InvalidRequestError("--from prints a saved result: name no MODEL with it")
+        report = _read_saved(args.saved)
+    else:
+        report = _measure(args)
     if args.json:
         json.dump(report.to_dict(), sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -165,3 +166,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"edgeinfer: {line}", file=sys.stderr)
         return 1
     return 0
+
+
+def _read_saved(path: Path) -> BenchReport:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InvalidRequestError(f"--from {path}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequestError(f"--from {path}: not JSON ({exc})") from None
+    return BenchReport.from_dict(data)
+
+
+def _measure(args: argparse.Namespace) -> BenchReport:
+    if not args.models:
+        raise InvalidRequestError("name at least one MODEL to benchmark (or --from FILE.json)")
+    settings = BenchSettings(
+        models=tuple(args.models),
+        prompt_tokens=int_list("-p/--prompt-tokens", args.prompt_tokens),
+        new_tokens=args.new_tokens,
+        repetitions=args.repetitions,
+        warmup=args.warmup,
+        threads=int_list("--threads", args.threads) if args.threads is not None else (),
+        device=args.device,
+        memory_budget=args.memory_budget,
+        context_length=args.context_length,
+        compare=args.compare,
+        peer_models=tuple(args.peer_model),
+    )
+    argv = sys.argv[1:]
+    command = ["edgeinfer", *argv[argv.index("bench") :]] if "bench" in argv else []
+    return run_bench(settings, progress=ProgressLine(sys.stderr), command=command)

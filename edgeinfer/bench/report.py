@@ -165,6 +165,44 @@ class BenchReport:
             "results": rows,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchReport:
+        """A report saved with ``to_dict`` (``--json``), to print or plot again."""
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            raise InvalidRequestError(
+                f"not an edgeinfer bench result (expected schema {SCHEMA!r}); make one with "
+                "'edgeinfer bench MODEL --json > FILE'"
+            )
+        try:
+            report = cls(
+                settings=data["settings"],
+                machine=data["machine"],
+                versions=data["versions"],
+                created=data["created"],
+                command=list(data["command"]),
+                notes=list(data["notes"]),
+                errors=list(data["errors"]),
+                interrupted=bool(data["interrupted"]),
+            )
+            for r in data["results"]:
+                report.rows.append(
+                    Row(
+                        model=r["model"],
+                        model_path=r["model_path"],
+                        engine=r["engine"],
+                        engine_model=r["engine_model"],
+                        threads=int(r["threads"]),
+                        prompt_tokens=int(r["prompt_tokens"]),
+                        new_tokens=int(r["new_tokens"]),
+                        runs=[dict(x) for x in r["runs"]],
+                    )
+                )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidRequestError(
+                f"the bench result is incomplete or damaged ({type(exc).__name__}: {exc})"
+            ) from None
+        return report
+
     # -- tables -----------------------------------------------------------------------------
 
     def table(self, markdown: bool = False) -> str:

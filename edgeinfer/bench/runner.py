@@ -209,6 +209,7 @@ def run_bench(
     progress: ProgressLine | None = None,
     runner: Runner = run_in_fresh_process,
     machine: dict[str, Any] | None = None,
+    command: list[str] | None = None,
 ) -> BenchReport:
     """Measure every model in ``settings``; returns the report, partial when interrupted
     (``report.interrupted``) or when edgeinfer itself failed (``report.errors``)."""
@@ -224,7 +225,7 @@ def run_bench(
         machine=machine if machine is not None else devices().to_dict(),
         versions=versions(),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command=["edgeinfer", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"] else [],
+        command=command or [],
     )
     total = len(s.models) * len(s.threads) * len(s.prompt_tokens) * (s.warmup + s.repetitions)
     step = 0
