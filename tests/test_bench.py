@@ -360,8 +360,7 @@ def test_peers_for_names_what_is_missing(
     assert skipped == [
         "skipping llama-cpp-python: not installed here; add it with pip install "
         "'edgeinfer[gguf]' (llama-cpp-python)",
-        "skipping onnxruntime-genai: not installed here; add it with pip install "
-        "onnxruntime-genai",
+        "skipping onnxruntime-genai: not installed here; add it with pip install onnxruntime-genai",
     ]
     with pytest.raises(InvalidRequestError, match="not a model a peer runs"):
         peers_for(tiny_llama_gguf, "gguf", (str(tmp_path),))
@@ -397,3 +396,22 @@ def test_timings_follow_the_benchmark_protocol() -> None:
 def test_empty_report_says_so() -> None:
     report = BenchReport(settings={}, machine={}, versions={}, created="", command=[])
     assert report.table() == "(nothing measured)\n" and report.to_dict()["results"] == []
+
+
+def test_saved_result_prints_the_same_table_again(tiny_llama_gguf: Path, tmp_path: Path) -> None:
+    report = run_bench(
+        settings(tiny_llama_gguf), runner=Recorded(), progress=Quiet(), machine={"arch": "x"}
+    )
+    saved = tmp_path / "result.json"
+    saved.write_text(json.dumps(report.to_dict()))
+    again = BenchReport.from_dict(json.loads(saved.read_text()))
+    assert again.to_dict() == json.loads(saved.read_text())
+    assert again.text(markdown=True) == report.text(markdown=True)
+    out = bench("--from", str(saved), "--markdown")
+    assert out.returncode == 0 and out.stdout == report.text(markdown=True)
+    damaged = tmp_path / "damaged.json"
+    damaged.write_text(json.dumps({**report.to_dict(), "results": [{"engine": "x"}]}))
+    for path, message in ((damaged, "incomplete or damaged"), (tmp_path / "none", "--from")):
+        out = bench("--from", str(path))
+        assert out.returncode == 1 and message in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1

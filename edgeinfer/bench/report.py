@@ -315,32 +315,44 @@ class BenchReport:
         rows = self.measured()
         if not rows:
             return
-        labels = [f"{r.engine}\n{r.model[:24]}\npp{r.prompt_tokens} t{r.threads}" for r in rows]
+        engines = list(dict.fromkeys(r.engine for r in rows))
+        palette = ["#3b7dd8", "#d8873b", "#4aa35a", "#a34a9b", "#7f7f7f"]
+        colors = [palette[engines.index(r.engine) % len(palette)] for r in rows]
+        labels = [f"{r.model[:28]} pp{r.prompt_tokens} t{r.threads}" for r in rows]
         tg = [r.figure("tg_tok_s") for r in rows]
         rss = [r.figure("peak_rss_mb")["max"] for r in rows]
         plans = [(r.last("plan_total_bytes") or 0) / MB for r in rows]
-        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6.0, 1.3 * len(rows)), 7.5))
-        xs = range(len(rows))
+        width = max(6.0, min(0.45 * len(rows) + 2.0, 20.0))
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(width, 9.0), sharex=True)
+        xs = list(range(len(rows)))
         ax1.bar(
-            xs, [t["mean"] for t in tg], yerr=[t["stddev"] for t in tg], capsize=3, color="#3b7dd8"
+            xs, [t["mean"] for t in tg], yerr=[t["stddev"] for t in tg], capsize=2, color=colors
         )
-        ax1.set_ylabel("decode tokens/s")
+        ax1.set_ylabel("decode tokens/s (mean ± stddev)")
         ax1.set_title(f"edgeinfer bench: {self.settings['new_tokens']} generated tokens")
-        ax2.bar(xs, rss, color="#d8873b", label="peak RSS")
+        ax1.legend(
+            handles=[
+                plt.Rectangle((0, 0), 1, 1, color=palette[i % len(palette)])
+                for i in range(len(engines))
+            ],
+            labels=engines,
+            loc="best",
+            fontsize="small",
+        )
+        ax2.bar(xs, rss, color=colors)
         if any(plans):
             ax2.scatter(
                 xs,
                 [p or math.nan for p in plans],
                 color="black",
                 marker="_",
-                s=400,
-                label="memory plan",
+                s=200,
+                label="edgeinfer's memory plan",
             )
             ax2.legend(loc="best", fontsize="small")
-        ax2.set_ylabel("MB")
-        for ax in (ax1, ax2):
-            ax.set_xticks(list(xs))
-            ax.set_xticklabels(labels, fontsize="x-small")
+        ax2.set_ylabel("peak RSS, MB")
+        ax2.set_xticks(xs)
+        ax2.set_xticklabels(labels, rotation=60, ha="right", fontsize="small")
         fig.tight_layout()
         path = Path(path)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
