@@ -415,3 +415,27 @@ def test_saved_result_prints_the_same_table_again(tiny_llama_gguf: Path, tmp_pat
         out = bench("--from", str(path))
         assert out.returncode == 1 and message in out.stderr
         assert len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.model
+def test_default_model_beside_llama_cpp_python(default_gguf: Path) -> None:
+    out = bench(
+        "smollm2-135m-instruct",
+        "-p",
+        "32",
+        "-n",
+        "16",
+        "-r",
+        "1",
+        "--warmup",
+        "0",
+        "--compare",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {r["engine"]: r for r in json.loads(out.stdout)["results"]}
+    assert {"edgeinfer", "llama-cpp-python"} <= set(rows)
+    for row in rows.values():
+        assert row["tokens_generated_min"] == 16 and row["tg_tok_s"]["mean"] > 0
+        assert row["ratio_to_edgeinfer"]["tg_tok_s"] > 0
+    assert rows["edgeinfer"]["peak_rss_mb"]["max"] <= rows["edgeinfer"]["plan_total_mb"]
