@@ -1,0 +1,135 @@
+"""GGUF blocks transcoded to MatMulNBits: every type dequantizes to what the ``gguf`` package
+(llama.cpp's reference) dequantizes, and onnxruntime's own MatMulNBits kernel, with the
+offset term beside it, multiplies by those values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from edgeinfer.converters.gguf_blocks import OFFSET_BLOCK, TRANSCODABLE, NBitsWeight, transcode
+
+gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
+
+# type -> byte offsets of its fp16 fields (the rest of a block may hold any bits)
+FP16_FIELDS = {
+    T.Q4_0: (0,),
+    T.Q4_1: (0, 2),
+    T.Q5_0: (0,),
+    T.Q5_1: (0, 2),
+    T.Q8_0: (0,),
+    T.Q4_K: (0, 2),
+    T.Q5_K: (0, 2),
+    T.Q6_K: (208,),
+}
+
+
+def random_tensor(qtype: int, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random blocks of ``qtype`` for an [n, k] weight: random bits, finite fp16 fields."""
+    elems, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // elems, size), dtype=np.uint8)
+    for at in FP16_FIELDS[qtype]:
+        values = rng.uniform(-0.05, 0.05, size=(n, k // elems)).astype(np.float16)
+        raw[..., at : at + 2] = values[..., None].view(np.uint8).reshape(n, k // elems, 2)
+    return raw.reshape(n, -1)
+
+
+def test_the_table_covers_the_issue_types() -> None:
+    names = {T(t).name for t in TRANSCODABLE}
+    assert names == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+
+
+@pytest.mark.parametrize("qtype", sorted(FP16_FIELDS), ids=lambda t: T(t).name)
+def test_dequantizes_as_llama_cpp_does(qtype: int) -> None:
+    n, k = 24, 512
+    raw = random_tensor(qtype, n, k)
+    reference = gguf.quants.dequantize(raw, qtype).astype(np.float32)
+    assert reference.shape == (n, k)
+    weight = transcode(int(qtype), raw, n, k)
+    assert weight is not None
+    ours = weight.dequantize()
+    scale = float(np.abs(reference).max())
+    np.testing.assert_allclose(ours, reference, rtol=1e-6, atol=1e-6 * scale)
+    assert weight.bits in (4, 8) and weight.block_size in (16, 32)
+    assert weight.packed.shape == (n, k // weight.block_size, weight.block_size * weight.bits // 8)
+
+
+def _matmul_nbits_graph(weight: NBitsWeight, m: int) -> Any:
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [
+        numpy_helper.from_array(weight.packed, "B"),
+        numpy_helper.from_array(weight.scales.reshape(-1), "scales"),
+    ]
+    inputs = ["A", "B", "scales"]
+    if weight.zero_points is not None:
+        inits.append(numpy_helper.from_array(weight.zero_points.reshape(-1), "zp"))
+        inputs.append("zp")
+    nodes = [
+        helper.make_node(
+            "MatMulNBits",
+            inputs,
+            ["Y0" if weight.offset is not None else "Y"],
+            domain="com.microsoft",
+            K=weight.k,
+            N=weight.n,
+            bits=weight.bits,
+            block_size=weight.block_size,
+            accuracy_level=0,
+        )
+    ]
+    if weight.offset is not None:
+        blocks = weight.k // OFFSET_BLOCK
+        inits += [
+            numpy_helper.from_array(np.array([m, blocks, OFFSET_BLOCK], np.int64), "shape3"),
+            numpy_helper.from_array(np.array([-1], np.int64), "axes"),
+            numpy_helper.from_array(weight.offset.T.copy(), "offsetT"),
+        ]
+        nodes += [
+            helper.make_node("Reshape", ["A", "shape3"], ["A3"]),
+            helper.make_node("ReduceSum", ["A3", "axes"], ["sums"], keepdims=0),
+            helper.make_node("MatMul", ["sums", "offsetT"], ["Y1"]),
+            helper.make_node("Add", ["Y0", "Y1"], ["Y"]),
+        ]
+    graph = helper.make_graph(
+        nodes,
+        "nbits",
+        [helper.make_tensor_value_info("A", TensorProto.FLOAT, [m, weight.k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [m, weight.n])],
+        initializer=inits,
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+
+
+@pytest.mark.parametrize("qtype", sorted(FP16_FIELDS), ids=lambda t: T(t).name)
+def test_onnxruntime_kernel_multiplies_by_the_gguf_values(qtype: int) -> None:
+    ort = pytest.importorskip("onnxruntime")
+    n, k, m = 40, 512, 3
+    raw = random_tensor(qtype, n, k, seed=1)
+    reference = gguf.quants.dequantize(raw, qtype).astype(np.float64)
+    weight = transcode(int(qtype), raw, n, k)
+    assert weight is not None
+    model = _matmul_nbits_graph(weight, m)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    a = np.random.default_rng(2).standard_normal((m, k)).astype(np.float32)
+    (got,) = session.run(None, {"A": a})
+    want = a.astype(np.float64) @ reference.T
+    scale = np.abs(a).astype(np.float64) @ np.abs(reference).T  # the sum's magnitude
+    assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-6)
+
+
+def test_types_without_an_exact_mapping_are_left_to_the_caller() -> None:
+    for qtype in (T.Q2_K, T.Q3_K, T.IQ4_NL, T.F16):
+        assert transcode(int(qtype), np.zeros((1, 1), np.uint8), 1, 256) is None
+    with pytest.raises(ValueError, match="whole blocks"):
+        transcode(int(T.Q4_0), np.zeros((1, 18), np.uint8), 1, 48)
