@@ -1,0 +1,396 @@
+"""A native ONNX decoder graph from a GGUF file: onnxruntime's contrib operators, weights
+taken from the file as they are, no torch, transformers or optimum.
+
+The graph (one per model, batch 1), named as onnxruntime-genai names its graphs:
+
+- inputs ``input_ids`` int64 [1, S], ``attention_mask`` int64 [1, T] (T = cached + S), and
+  per layer ``past_key_values.{i}.key`` / ``.value`` float32 [1, kv_heads, P, head_dim];
+- outputs ``logits`` float32 [1, 1, vocab] (the last position only) and
+  ``present.{i}.key`` / ``.value``.
+
+Each layer: RMSNorm -> q/k/v projections -> ``GroupQueryAttention`` (rotary inside, the KV
+cache in past/present: bound to one buffer of the planned context, GQA writes in place) ->
+output projection -> residual -> RMSNorm -> SiLU-gated MLP -> residual. Projections whose GGUF
+blocks map exactly onto ``MatMulNBits`` (``gguf_blocks``) keep their blocks, with the offset
+term for types with a minimum; float weights use ``MatMul``. llama.cpp's Llama Q/K rows are
+stored for rotation of adjacent pairs, so GQA rotates interleaved.
+
+This module covers the Llama architecture (Llama, SmolLM, Mistral without sliding window).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConversionError
+from ..gguf_file import GGUFHeader, TensorInfo, read_gguf_header
+from .gguf_blocks import OFFSET_BLOCK, NBitsWeight, transcode
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "BuildReport", "build_onnx_from_gguf"]
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+F32, F16, BF16 = 0, 1, 30
+ACCURACY_LEVEL = 4  # MatMulNBits quantizes activations to int8 per block: its fast CPU path
+
+
+@dataclass
+class BuildReport:
+    architecture: str
+    layers: int
+    nbits: dict[str, int]  # "4-bit/32" -> tensors
+    widened: dict[str, str]  # tensor -> why it is stored as floats
+    max_context: int
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    eps: float
+    rope_base: float
+    rope_dim: int
+    context: int
+
+
+def _shape(header: GGUFHeader) -> Shape:
+    arch = header.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConversionError(
+            f"{header.path.name}: architecture {arch!r} is not supported by the native ONNX "
+            f"builder (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    v = header.arch_value
+    hidden = int(v("embedding_length"))
+    heads = int(v("attention.head_count"))
+    kv_heads = int(v("attention.head_count_kv", heads))
+    head_dim = int(v("attention.key_length", hidden // heads))
+    embd = next(t for t in header.tensors if t.name == "token_embd.weight")
+    return Shape(
+        layers=int(v("block_count")),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn=int(v("feed_forward_length")),
+        vocab=int(embd.shape[1]),
+        eps=float(v("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_base=float(v("rope.freq_base", 10000.0)),
+        rope_dim=int(v("rope.dimension_count", head_dim)),
+        context=int(v("context_length", 2048)),
+    )
+
+
+class _Tensors:
+    """The GGUF file's tensors, memory-mapped; one at a time as numpy arrays."""
+
+    def __init__(self, header: GGUFHeader) -> None:
+        self.header = header
+        self._map = np.memmap(header.path, dtype=np.uint8, mode="r")
+        self._by_name = {t.name: t for t in header.tensors}
+
+    def info(self, name: str) -> TensorInfo | None:
+        return self._by_name.get(name)
+
+    def raw(self, t: TensorInfo) -> np.ndarray:
+        start = self.header.data_offset + t.offset
+        nbytes = t.nbytes
+        if nbytes is None:
+            raise ConversionError(f"tensor {t.name}: unknown GGML type {t.ggml_type}")
+        return self._map[start : start + nbytes]
+
+    def floats(self, t: TensorInfo) -> np.ndarray:
+        """The tensor as float32 with numpy dims (outer first), dequantized when needed."""
+        dims = tuple(reversed(t.shape))
+        raw = self.raw(t)
+        if t.ggml_type == F32:
+            return raw.view(np.float32).reshape(dims).astype(np.float32)
+        if t.ggml_type == F16:
+            return raw.view(np.float16).reshape(dims).astype(np.float32)
+        if t.ggml_type == BF16:
+            bits = raw.view(np.uint16).astype(np.uint32) << 16
+            return bits.view(np.float32).reshape(dims)
+        if len(dims) == 2:
+            weight = transcode(t.ggml_type, raw, dims[0], dims[1])
+            if weight is not None:
+                return weight.dequantize()
+        try:
+            from gguf.quants import dequantize
+        except ImportError as exc:
+            raise ConversionError(
+                f"tensor {t.name} is GGML type {t.ggml_type}; widening it needs the gguf "
+                "package: pip install 'edgeinfer[convert]'"
+            ) from exc
+        return np.asarray(dequantize(raw.reshape(dims[0], -1), t.ggml_type), np.float32).reshape(
+            dims
+        )
+
+
+class _Graph:
+    """Nodes and initializers as they are added; names made unique."""
+
+    def __init__(self) -> None:
+        from onnx import helper, numpy_helper
+
+        self.helper = helper
+        self.numpy_helper = numpy_helper
+        self.nodes: list[Any] = []
+        self.initializers: list[Any] = []
+        self._count = 0
+
+    def name(self, stem: str) -> str:
+        self._count += 1
+        return f"{stem}_{self._count}"
+
+    def const(self, name: str, value: np.ndarray) -> str:
+        self.initializers.append(self.numpy_helper.from_array(np.ascontiguousarray(value), name))
+        return name
+
+    def node(
+        self, op: str, inputs: list[str], n_out: int = 1, domain: str = "", **attrs: Any
+    ) -> list[str]:
+        outs = [self.name(op) for _ in range(n_out)]
+        self.nodes.append(
+            self.helper.make_node(
+                op, inputs, outs, name=self.name(op + "_node"), domain=domain or None, **attrs
+            )
+        )
+        return outs
+
+    def node_named(
+        self, op: str, inputs: list[str], outputs: list[str], domain: str = "", **attrs: Any
+    ) -> None:
+        self.nodes.append(
+            self.helper.make_node(
+                op, inputs, outputs, name=self.name(op + "_node"), domain=domain or None, **attrs
+            )
+        )
+
+
+def build_onnx_from_gguf(
+    src: str | Path,
+    out_dir: str | Path,
+    *,
+    max_context: int | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> BuildReport:
+    """Write ``model.onnx`` + ``model.onnx.data`` for the GGUF model ``src`` into ``out_dir``
+    (which must exist). Returns what was kept in blocks and what was widened."""
+    import onnx
+    from onnx import TensorProto
+
+    header = read_gguf_header(src)
+    shape = _shape(header)
+    tensors = _Tensors(header)
+    context = min(max_context or shape.context, shape.context)
+    report = BuildReport(header.architecture, shape.layers, {}, {}, context)
+    g = _Graph()
+    total = 2 + shape.layers
+    done = 0
+
+    def progress() -> None:
+        nonlocal done
+        done += 1
+        if on_progress is not None:
+            on_progress(done, total)
+
+    def need(name: str) -> TensorInfo:
+        t = tensors.info(name)
+        if t is None:
+            raise ConversionError(f"{header.path.name}: tensor {name} is missing")
+        return t
+
+    def linear(x: str, t: TensorInfo, stem: str) -> str:
+        """x @ W.T for the GGUF weight t ([n rows of k])."""
+        k, n = t.shape[0], t.shape[1]
+        weight = None
+        if t.ggml_type not in (F32, F16, BF16):
+            weight = transcode(t.ggml_type, tensors.raw(t), n, k)
+            if weight is None:
+                report.widened[t.name] = f"GGML type {t.ggml_type} has no exact MatMulNBits form"
+        if weight is None:
+            w = g.const(f"{stem}.weight_t", tensors.floats(t).T.copy())
+            return g.node("MatMul", [x, w])[0]
+        key = f"{weight.bits}-bit/{weight.block_size}"
+        report.nbits[key] = report.nbits.get(key, 0) + 1
+        return _nbits(g, x, weight, stem)
+
+    def rms(x: str, name: str) -> str:
+        w = g.const(name, tensors.floats(need(name)))
+        return g.node(
+            "SimplifiedLayerNormalization", [x, w], axis=-1, epsilon=shape.eps, stash_type=1
+        )[0]
+
+    # inputs
+    inputs = [
+        g.helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "sequence_length"]),
+        g.helper.make_tensor_value_info(
+            "attention_mask", TensorProto.INT64, [1, "total_sequence_length"]
+        ),
+    ]
+    outputs = [g.helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 1, shape.vocab])]
+    kv_dims = [1, shape.kv_heads, "past_sequence_length", shape.head_dim]
+    present_dims = [1, shape.kv_heads, "total_sequence_length", shape.head_dim]
+    for i in range(shape.layers):
+        for kind in ("key", "value"):
+            inputs.append(
+                g.helper.make_tensor_value_info(
+                    f"past_key_values.{i}.{kind}", TensorProto.FLOAT, kv_dims
+                )
+            )
+            outputs.append(
+                g.helper.make_tensor_value_info(
+                    f"present.{i}.{kind}", TensorProto.FLOAT, present_dims
+                )
+            )
+
+    # attention bookkeeping from the mask: seqlens_k = cached + new - 1, total length
+    mask_sum = g.node(
+        "ReduceSum", ["attention_mask", g.const("axis1", np.array([1], np.int64))], keepdims=0
+    )[0]
+    minus_one = g.node("Sub", [mask_sum, g.const("one64", np.array(1, np.int64))])[0]
+    seqlens_k = g.node("Cast", [minus_one], to=TensorProto.INT32)[0]
+    mask_shape = g.node("Shape", ["attention_mask"])[0]
+    total_len = g.node("Gather", [mask_shape, g.const("idx1", np.array(1, np.int64))], axis=0)[0]
+    total_len32 = g.node("Cast", [total_len], to=TensorProto.INT32)[0]
+    cos, sin = _rotary_cache(shape, context)
+    cos_name, sin_name = g.const("cos_cache", cos), g.const("sin_cache", sin)
+
+    # embedding (float table for now; the tied lm_head below keeps the blocks)
+    embd = need("token_embd.weight")
+    table = g.const("token_embd.weight", tensors.floats(embd))
+    x = g.node("Gather", [table, "input_ids"], axis=0)[0]
+    progress()
+
+    for i in range(shape.layers):
+        p = f"blk.{i}"
+        h = rms(x, f"{p}.attn_norm.weight")
+        q = linear(h, need(f"{p}.attn_q.weight"), f"{p}.attn_q")
+        k = linear(h, need(f"{p}.attn_k.weight"), f"{p}.attn_k")
+        v = linear(h, need(f"{p}.attn_v.weight"), f"{p}.attn_v")
+        attn = g.name(f"{p}.attn")
+        g.node_named(
+            "GroupQueryAttention",
+            [
+                q,
+                k,
+                v,
+                f"past_key_values.{i}.key",
+                f"past_key_values.{i}.value",
+                seqlens_k,
+                total_len32,
+                cos_name,
+                sin_name,
+            ],
+            [attn, f"present.{i}.key", f"present.{i}.value"],
+            domain="com.microsoft",
+            num_heads=shape.heads,
+            kv_num_heads=shape.kv_heads,
+            scale=1.0 / math.sqrt(shape.head_dim),
+            do_rotary=1,
+            rotary_interleaved=1,
+        )
+        o = linear(attn, need(f"{p}.attn_output.weight"), f"{p}.attn_output")
+        x = g.node("Add", [x, o])[0]
+        h = rms(x, f"{p}.ffn_norm.weight")
+        gate = linear(h, need(f"{p}.ffn_gate.weight"), f"{p}.ffn_gate")
+        up = linear(h, need(f"{p}.ffn_up.weight"), f"{p}.ffn_up")
+        silu = g.node("Mul", [gate, g.node("Sigmoid", [gate])[0]])[0]
+        down = linear(g.node("Mul", [silu, up])[0], need(f"{p}.ffn_down.weight"), f"{p}.ffn_down")
+        x = g.node("Add", [x, down])[0]
+        progress()
+
+    # the last position only, then the final norm and the vocabulary projection
+    last = g.node(
+        "Slice",
+        [
+            x,
+            g.const("last_start", np.array([-1], np.int64)),
+            g.const("last_end", np.array([np.iinfo(np.int64).max], np.int64)),
+            g.const("last_axis", np.array([1], np.int64)),
+        ],
+    )[0]
+    h = rms(last, "output_norm.weight")
+    head = tensors.info("output.weight") or embd
+    if head is embd and embd.ggml_type in (F32, F16, BF16):
+        flat = g.node("Reshape", [h, g.const("flat_shape", np.array([1, shape.hidden], np.int64))])
+        logits2d = g.node("Gemm", [flat[0], table], transB=1)[0]
+        logits = g.node(
+            "Reshape", [logits2d, g.const("logits_shape", np.array([1, 1, shape.vocab], np.int64))]
+        )[0]
+    else:
+        logits = linear(h, head, "output")
+    g.node_named("Identity", [logits], ["logits"])
+    progress()
+
+    graph = g.helper.make_graph(g.nodes, "edgeinfer-decoder", inputs, outputs, g.initializers)
+    model = g.helper.make_model(
+        graph,
+        opset_imports=[g.helper.make_opsetid("", 21), g.helper.make_opsetid("com.microsoft", 1)],
+        producer_name="edgeinfer",
+    )
+    model.ir_version = 10
+    out = Path(out_dir)
+    onnx.save_model(
+        model,
+        str(out / "model.onnx"),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="model.onnx.data",
+        size_threshold=1024,  # small constants stay inline: shape inference reads them
+    )
+    return report
+
+
+def _nbits(g: _Graph, x: str, w: NBitsWeight, stem: str) -> str:
+    inputs = [
+        x,
+        g.const(f"{stem}.qweight", w.packed),
+        g.const(f"{stem}.scales", w.scales.reshape(-1)),
+    ]
+    if w.zero_points is not None:
+        inputs.append(g.const(f"{stem}.qzeros", w.zero_points.reshape(-1)))
+    y = g.node(
+        "MatMulNBits",
+        inputs,
+        domain="com.microsoft",
+        K=w.k,
+        N=w.n,
+        bits=w.bits,
+        block_size=w.block_size,
+        accuracy_level=ACCURACY_LEVEL,
+    )[0]
+    if w.offset is None:
+        return y
+    # + blocksum32(x) @ offset.T: the per-block minimum, exact
+    blocks = w.k // OFFSET_BLOCK
+    x4 = g.node(
+        "Reshape",
+        [x, g.const(f"{stem}.blk_shape", np.array([1, -1, blocks, OFFSET_BLOCK], np.int64))],
+    )[0]
+    sums = g.node(
+        "ReduceSum", [x4, g.const(f"{stem}.blk_axis", np.array([-1], np.int64))], keepdims=0
+    )[0]
+    term = g.node("MatMul", [sums, g.const(f"{stem}.offset_t", w.offset.T.copy())])[0]
+    return g.node("Add", [y, term])[0]
+
+
+def _rotary_cache(shape: Shape, context: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [context, rope_dim / 2] for GQA's rotary embedding."""
+    dim = shape.rope_dim
+    inv = 1.0 / (shape.rope_base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    angles = np.outer(np.arange(context, dtype=np.float64), inv)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
