@@ -394,3 +394,36 @@ def _rotary_cache(shape: Shape, context: int) -> tuple[np.ndarray, np.ndarray]:
     inv = 1.0 / (shape.rope_base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     angles = np.outer(np.arange(context, dtype=np.float64), inv)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def write_native_folder(
+    src: str | Path,
+    folder: str | Path,
+    tokenizer_dir: str | Path,
+    *,
+    max_context: int | None = None,
+) -> BuildReport:
+    """A loadable model folder: the built graph, the tokenizer files of ``tokenizer_dir`` (a
+    Hugging Face folder of the same model) and an ``edgeinfer.json`` that declares the
+    shared KV cache. ``folder`` must exist and be empty."""
+    import dataclasses
+
+    from ..manifest import Manifest
+    from .onnx_export import write_model_folder
+    from .source import SourceCheckpoint, file_sha256
+
+    folder, src = Path(folder), Path(src)
+    report = build_onnx_from_gguf(src, folder, max_context=max_context)
+    source = SourceCheckpoint(Path(tokenizer_dir), "gguf", src, file_sha256([src]))
+    written = write_model_folder(Path(tokenizer_dir), folder, source, {"method": "gguf-blocks"})
+    arch = dataclasses.replace(
+        written.architecture, kv_cache="shared", max_context=report.max_context
+    )
+    manifest = dataclasses.replace(
+        written,
+        architecture=arch,
+        has_position_ids=False,
+        quantization={"method": "gguf-blocks", "nbits": report.nbits, "widened": report.widened},
+    )
+    Manifest.write(manifest, folder)
+    return report

@@ -21,6 +21,7 @@ from .errors import ModelLoadError, short_repr
 
 __all__ = [
     "ARCHITECTURE_LIMITS",
+    "KV_CACHE_LAYOUTS",
     "KV_DTYPES",
     "MANIFEST_NAME",
     "PARTIAL_MARKER",
@@ -36,6 +37,7 @@ MANIFEST_NAME = "edgeinfer.json"
 PARTIAL_MARKER = ".edgeinfer-partial"  # present only in an unfinished conversion's folder
 FORMAT_VERSION = 1
 KV_DTYPES = ("float32", "float16")
+KV_CACHE_LAYOUTS = ("grow", "shared")
 _MAX_MANIFEST_BYTES = 1 << 20  # converters write ~1 KB; more is not a manifest
 _MAX_EOS_IDS = 256
 _MAX_NAME_CHARS = 1024
@@ -62,6 +64,10 @@ class Architecture:
     max_context: int
     vocab_size: int
     kv_dtype: str = "float32"  # element type of the KV cache the graph takes and returns
+    # "grow": each run returns the cache grown by the new tokens (optimum's graphs);
+    # "shared": past and present are one buffer of the whole context, written in place
+    # (GroupQueryAttention graphs of the native builder and onnxruntime-genai)
+    kv_cache: str = "grow"
 
 
 @dataclass(frozen=True)
@@ -166,9 +172,12 @@ def _parse_architecture(fields: _Fields) -> Architecture:
     kv_dtype = fields.text("kv_dtype", "float32")
     if kv_dtype not in KV_DTYPES:
         fields.fail("kv_dtype", kv_dtype, f"must be one of {', '.join(KV_DTYPES)}")
+    kv_cache = fields.text("kv_cache", "grow")
+    if kv_cache not in KV_CACHE_LAYOUTS:
+        fields.fail("kv_cache", kv_cache, f"must be one of {', '.join(KV_CACHE_LAYOUTS)}")
     model_type = fields.text("model_type")
     fields.warn_unknown(set(Architecture.__dataclass_fields__))
-    return Architecture(model_type=model_type, kv_dtype=kv_dtype, **numbers)
+    return Architecture(model_type=model_type, kv_dtype=kv_dtype, kv_cache=kv_cache, **numbers)
 
 
 class _Fields:

@@ -82,10 +82,25 @@ class OrtBackend:
         ]
         self._present_names = [n.replace("past_key_values", "present") for n in self._past_names]
         self._check_graph()
+        self._shared = arch.kv_cache == "shared"
+        if self._shared and self._n_ctx > arch.max_context:
+            raise ModelLoadError(
+                f"context {self._n_ctx} is longer than the {arch.max_context} tokens this graph "
+                "was built for; load it with a smaller context_length"
+            )
+        # graphs that return the last position only: every run's logits land in one buffer
+        logits_dims = {o.name: o.shape for o in self._session.get_outputs()}["logits"]
+        self._last_only = len(logits_dims) == 3 and logits_dims[1] == 1
         self._binding = self._session.io_binding()
         self._decode_logits = np.empty((1, 1, arch.vocab_size), dtype=np.float32)
         self._past: list[Any] = []
         self._n_past = 0
+        if self._shared:  # one buffer per cache tensor, the whole context, allocated once
+            whole = (1, arch.num_kv_heads, self._n_ctx, arch.head_dim)
+            self._past = [
+                ort.OrtValue.ortvalue_from_shape_and_type(whole, self._kv_type)
+                for _ in self._past_names
+            ]
         self.rewind(0)
         self.tokenizer = JsonTokenizer(
             _regular_file(folder, manifest.tokenizer_file, "tokenizer_file"),
@@ -226,7 +241,7 @@ class OrtBackend:
             binding.bind_cpu_input("position_ids", positions)
         for name, value in zip(self._past_names, self._past, strict=True):
             binding.bind_ortvalue_input(name, value)
-        if n == 1:  # decode: logits land in one preallocated buffer, no allocation per token
+        if n == 1 or self._last_only:  # logits land in one preallocated buffer
             binding.bind_output(
                 "logits",
                 "cpu",
@@ -237,23 +252,35 @@ class OrtBackend:
             )
         else:
             binding.bind_output("logits", "cpu")
-        for name in self._present_names:
-            binding.bind_output(name, "cpu")
+        if self._shared:  # the graph writes the new entries into the same buffers
+            for name, value in zip(self._present_names, self._past, strict=True):
+                binding.bind_ortvalue_output(name, value)
+        else:
+            for name in self._present_names:
+                binding.bind_output(name, "cpu")
         try:
             self._session.run_with_iobinding(binding)
         except Exception as exc:  # onnxruntime's own error types
             raise BackendUnavailableError(f"onnxruntime failed to run the model: {exc}") from exc
-        outputs = binding.get_outputs()
-        self._past = list(outputs[1:])  # present.* become the next step's past
         self._n_past = total
-        if n == 1:
-            return self._decode_logits[0, 0]
+        if n == 1 or self._last_only:
+            logits = self._decode_logits[0, -1]
+            if self._shared:
+                return logits
+        outputs = binding.get_outputs()  # logits first, then present.*
+        if not self._shared:
+            self._past = list(outputs[1:])  # present.* become the next step's past
+        if n == 1 or self._last_only:
+            return logits
         return outputs[0].numpy()[0, -1]  # [vocab]: the last position only
 
     def rewind(self, n: int) -> None:
         if not 0 <= n <= self._n_past:
             raise InvalidRequestError(f"cannot rewind to {n}: the cache holds {self._n_past}")
         a = self._arch
+        if self._shared:  # entries past n are ignored (the mask's length) and overwritten
+            self._n_past = n
+            return
         if n == 0:
             empty = np.zeros((1, a.num_kv_heads, 0, a.head_dim), dtype=self._kv_type)
             self._past = [self._ort.OrtValue.ortvalue_from_numpy(empty) for _ in self._past_names]

@@ -110,3 +110,37 @@ def test_default_gguf_keeps_its_blocks_and_answers_like_llama_cpp(
         assert int(np.argmax(got)) == int(np.argmax(want))
     got = Decoder(out)(prompts[0])
     assert int(np.argmax(got)) == paris
+
+
+def test_native_folder_loads_and_generates_like_llama_cpp(
+    tiny_llama_gguf: Path, tiny_hf: Path, tmp_path: Path
+) -> None:
+    from edgeinfer.converters.onnx_builder import write_native_folder
+
+    folder = tmp_path / "native"
+    folder.mkdir()
+    write_native_folder(tiny_llama_gguf, folder, tiny_hf, max_context=256)
+    prompt, steps = [1, 5, 9, 200, 17, 33, 4, 250], [7, 99, 3]
+    want = _reference_logits(tiny_llama_gguf, prompt, steps)
+    with edgeinfer.load(folder, context_length=256, threads=1) as model:
+        assert model.info["memory_plan"]["context_length"] == 256
+        backend = model._backend
+        for chunked in (False, True):  # one run, then prefill in chunks of 3
+            backend.rewind(0)
+            backend._chunk = 3 if chunked else 256
+            got = [np.array(backend.prefill(prompt), copy=True)]
+            got += [np.array(backend.decode(t), copy=True) for t in steps]
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-3 * float(np.abs(w).max()))
+        # rewinding keeps the buffer: the prompt's first half is reused
+        backend.rewind(4)
+        again = np.array(backend.prefill(prompt[4:]), copy=True)
+        np.testing.assert_allclose(
+            again, want[0], rtol=1e-3, atol=1e-3 * float(np.abs(want[0]).max())
+        )
+        ours = model.generate(prompt, max_new_tokens=8, temperature=0).token_ids
+    # every greedy choice is llama.cpp's best token, or within float noise of it (a near-tie
+    # may fall either way on another CPU)
+    reference = _reference_logits(tiny_llama_gguf, prompt, list(ours[:-1]))
+    for token, logits in zip(ours, reference, strict=True):
+        assert logits[token] >= logits.max() - 1e-3 * float(np.abs(logits).max())
