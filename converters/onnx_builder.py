@@ -31,7 +31,7 @@ import numpy as np
 
 from ..errors import ConversionError
 from ..gguf_file import GGUFHeader, TensorInfo, read_gguf_header
-from .gguf_blocks import OFFSET_BLOCK, NBitsWeight, transcode
+from .gguf_blocks import OFFSET_BLOCK, Q4_0, Q8_0, NBitsWeight, transcode
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "BuildReport", "build_onnx_from_gguf"]
 
@@ -213,20 +213,73 @@ def build_onnx_from_gguf(
             raise ConversionError(f"{header.path.name}: tensor {name} is missing")
         return t
 
-    def linear(x: str, t: TensorInfo, stem: str) -> str:
-        """x @ W.T for the GGUF weight t ([n rows of k])."""
+    block_sums: dict[str, str] = {}  # input -> its sums over 32-wide blocks
+
+    def sums_of(x: str, k: int) -> str:
+        if x not in block_sums:
+            blocks = k // OFFSET_BLOCK
+            x4 = g.node(
+                "Reshape",
+                [
+                    x,
+                    g.const(g.name("blk_shape"), np.array([1, -1, blocks, OFFSET_BLOCK], np.int64)),
+                ],
+            )[0]
+            block_sums[x] = g.node("ReduceSum", [x4, axis_last], keepdims=0)[0]
+        return block_sums[x]
+
+    def weights(t: TensorInfo) -> NBitsWeight | None:
+        if t.ggml_type in (F32, F16, BF16):
+            return None
         k, n = t.shape[0], t.shape[1]
-        weight = None
-        if t.ggml_type not in (F32, F16, BF16):
-            weight = transcode(t.ggml_type, tensors.raw(t), n, k)
-            if weight is None:
-                report.widened[t.name] = f"GGML type {t.ggml_type} has no exact MatMulNBits form"
-        if weight is None:
-            w = g.const(f"{stem}.weight_t", tensors.floats(t).T.copy())
+        w = transcode(t.ggml_type, tensors.raw(t), n, k)
+        if w is None:
+            report.widened[t.name] = f"GGML type {t.ggml_type} has no exact MatMulNBits form"
+        return w
+
+    def linear(x: str, ts: list[TensorInfo], stem: str) -> str:
+        """x @ [W1; W2; ...].T for GGUF weights ([n rows of k]) that share the input x: one
+        MatMulNBits over their rows together when their blocks have one form."""
+        ws = [weights(t) for t in ts]
+        forms = {(w.bits, w.block_size) if w is not None else None for w in ws}
+        if len(forms) > 1 or None in forms:
+            if len(ts) > 1:
+                outs = [linear(x, [t], f"{stem}.{i}") for i, t in enumerate(ts)]
+                return g.node("Concat", outs, axis=-1)[0]
+            w = g.const(f"{stem}.weight_t", tensors.floats(ts[0]).T.copy())
             return g.node("MatMul", [x, w])[0]
-        key = f"{weight.bits}-bit/{weight.block_size}"
-        report.nbits[key] = report.nbits.get(key, 0) + 1
-        return _nbits(g, x, weight, stem)
+        parts = [w for w in ws if w is not None]
+        for w in parts:
+            key = f"{w.bits}-bit/{w.block_size}"
+            report.nbits[key] = report.nbits.get(key, 0) + 1
+        first = parts[0]
+        n = sum(w.n for w in parts)
+        y = g.node(
+            "MatMulNBits",
+            [
+                x,
+                g.const(f"{stem}.qweight", np.concatenate([w.packed for w in parts])),
+                g.const(f"{stem}.scales", np.concatenate([w.scales.reshape(-1) for w in parts])),
+            ],
+            domain="com.microsoft",
+            K=first.k,
+            N=n,
+            bits=first.bits,
+            block_size=first.block_size,
+            accuracy_level=ACCURACY_LEVEL,
+        )[0]
+        if all(w.offset is None for w in parts):
+            return y
+        # + blocksum32(x) @ offset.T: the per-block minimums, exact
+        blocks = first.k // OFFSET_BLOCK
+        offset = np.concatenate(
+            [
+                w.offset if w.offset is not None else np.zeros((w.n, blocks), np.float32)
+                for w in parts
+            ]
+        )
+        term = g.node("MatMul", [sums_of(x, first.k), g.const(f"{stem}.offset_t", offset.T.copy())])
+        return g.node("Add", [y, term[0]])[0]
 
     def rms(x: str, name: str) -> str:
         w = g.const(name, tensors.floats(need(name)))
@@ -266,28 +319,47 @@ def build_onnx_from_gguf(
     mask_shape = g.node("Shape", ["attention_mask"])[0]
     total_len = g.node("Gather", [mask_shape, g.const("idx1", np.array(1, np.int64))], axis=0)[0]
     total_len32 = g.node("Cast", [total_len], to=TensorProto.INT32)[0]
+    axis_last = g.const("axis_last", np.array([-1], np.int64))
+    halves = g.const("ffn_halves", np.array([shape.ffn, shape.ffn], np.int64))
     cos, sin = _rotary_cache(shape, context)
     cos_name, sin_name = g.const("cos_cache", cos), g.const("sin_cache", sin)
 
-    # embedding (float table for now; the tied lm_head below keeps the blocks)
+    # embedding: Q8_0/Q4_0 blocks gathered as they are (GatherBlockQuantized, exact), shared
+    # with a tied lm_head; other types as a float table
     embd = need("token_embd.weight")
-    table = g.const("token_embd.weight", tensors.floats(embd))
-    x = g.node("Gather", [table, "input_ids"], axis=0)[0]
+    table = embd_blocks = None
+    if embd.ggml_type in (Q8_0, Q4_0):
+        embd_blocks = transcode(embd.ggml_type, tensors.raw(embd), shape.vocab, shape.hidden)
+    if embd_blocks is not None:
+        packed = g.const("token_embd.qweight", embd_blocks.packed)
+        rows = g.node(
+            "Reshape", [packed, g.const("embd_rows", np.array([shape.vocab, -1], np.int64))]
+        )
+        x = g.node(
+            "GatherBlockQuantized",
+            [rows[0], "input_ids", g.const("token_embd.scales", embd_blocks.scales)],
+            domain="com.microsoft",
+            gather_axis=0,
+            quantize_axis=1,
+            block_size=embd_blocks.block_size,
+            bits=embd_blocks.bits,
+        )[0]
+    else:
+        table = g.const("token_embd.weight", tensors.floats(embd))
+        x = g.node("Gather", [table, "input_ids"], axis=0)[0]
     progress()
 
     for i in range(shape.layers):
         p = f"blk.{i}"
         h = rms(x, f"{p}.attn_norm.weight")
-        q = linear(h, need(f"{p}.attn_q.weight"), f"{p}.attn_q")
-        k = linear(h, need(f"{p}.attn_k.weight"), f"{p}.attn_k")
-        v = linear(h, need(f"{p}.attn_v.weight"), f"{p}.attn_v")
+        qkv = linear(h, [need(f"{p}.attn_{w}.weight") for w in ("q", "k", "v")], f"{p}.attn_qkv")
         attn = g.name(f"{p}.attn")
         g.node_named(
             "GroupQueryAttention",
             [
-                q,
-                k,
-                v,
+                qkv,  # packed: query, key and value in one tensor
+                "",
+                "",
                 f"past_key_values.{i}.key",
                 f"past_key_values.{i}.value",
                 seqlens_k,
@@ -303,13 +375,15 @@ def build_onnx_from_gguf(
             do_rotary=1,
             rotary_interleaved=1,
         )
-        o = linear(attn, need(f"{p}.attn_output.weight"), f"{p}.attn_output")
+        o = linear(attn, [need(f"{p}.attn_output.weight")], f"{p}.attn_output")
         x = g.node("Add", [x, o])[0]
         h = rms(x, f"{p}.ffn_norm.weight")
-        gate = linear(h, need(f"{p}.ffn_gate.weight"), f"{p}.ffn_gate")
-        up = linear(h, need(f"{p}.ffn_up.weight"), f"{p}.ffn_up")
+        gate_up = linear(
+            h, [need(f"{p}.ffn_gate.weight"), need(f"{p}.ffn_up.weight")], f"{p}.ffn_gate_up"
+        )
+        gate, up = g.node("Split", [gate_up, halves], n_out=2, axis=-1)
         silu = g.node("Mul", [gate, g.node("Sigmoid", [gate])[0]])[0]
-        down = linear(g.node("Mul", [silu, up])[0], need(f"{p}.ffn_down.weight"), f"{p}.ffn_down")
+        down = linear(g.node("Mul", [silu, up])[0], [need(f"{p}.ffn_down.weight")], f"{p}.ffn_down")
         x = g.node("Add", [x, down])[0]
         progress()
 
@@ -325,14 +399,28 @@ def build_onnx_from_gguf(
     )[0]
     h = rms(last, "output_norm.weight")
     head = tensors.info("output.weight") or embd
-    if head is embd and embd.ggml_type in (F32, F16, BF16):
+    if head is embd and embd_blocks is not None:  # tied: the same blocks as the embedding
+        w = embd_blocks
+        key = f"{w.bits}-bit/{w.block_size}"
+        report.nbits[key] = report.nbits.get(key, 0) + 1
+        logits = g.node(
+            "MatMulNBits",
+            [h, "token_embd.qweight", g.const("output.scales", w.scales.reshape(-1))],
+            domain="com.microsoft",
+            K=w.k,
+            N=w.n,
+            bits=w.bits,
+            block_size=w.block_size,
+            accuracy_level=ACCURACY_LEVEL,
+        )[0]
+    elif head is embd and table is not None:
         flat = g.node("Reshape", [h, g.const("flat_shape", np.array([1, shape.hidden], np.int64))])
         logits2d = g.node("Gemm", [flat[0], table], transB=1)[0]
         logits = g.node(
             "Reshape", [logits2d, g.const("logits_shape", np.array([1, 1, shape.vocab], np.int64))]
         )[0]
     else:
-        logits = linear(h, head, "output")
+        logits = linear(h, [head], "output")
     g.node_named("Identity", [logits], ["logits"])
     progress()
 
@@ -353,39 +441,6 @@ def build_onnx_from_gguf(
         size_threshold=1024,  # small constants stay inline: shape inference reads them
     )
     return report
-
-
-def _nbits(g: _Graph, x: str, w: NBitsWeight, stem: str) -> str:
-    inputs = [
-        x,
-        g.const(f"{stem}.qweight", w.packed),
-        g.const(f"{stem}.scales", w.scales.reshape(-1)),
-    ]
-    if w.zero_points is not None:
-        inputs.append(g.const(f"{stem}.qzeros", w.zero_points.reshape(-1)))
-    y = g.node(
-        "MatMulNBits",
-        inputs,
-        domain="com.microsoft",
-        K=w.k,
-        N=w.n,
-        bits=w.bits,
-        block_size=w.block_size,
-        accuracy_level=ACCURACY_LEVEL,
-    )[0]
-    if w.offset is None:
-        return y
-    # + blocksum32(x) @ offset.T: the per-block minimum, exact
-    blocks = w.k // OFFSET_BLOCK
-    x4 = g.node(
-        "Reshape",
-        [x, g.const(f"{stem}.blk_shape", np.array([1, -1, blocks, OFFSET_BLOCK], np.int64))],
-    )[0]
-    sums = g.node(
-        "ReduceSum", [x4, g.const(f"{stem}.blk_axis", np.array([-1], np.int64))], keepdims=0
-    )[0]
-    term = g.node("MatMul", [sums, g.const(f"{stem}.offset_t", w.offset.T.copy())])[0]
-    return g.node("Add", [y, term])[0]
 
 
 def _rotary_cache(shape: Shape, context: int) -> tuple[np.ndarray, np.ndarray]:

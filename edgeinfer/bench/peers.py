@@ -54,9 +54,20 @@ def peer_kind(path: Path) -> str | None:
         return None
     if (path / "genai_config.json").is_file():
         return "onnxruntime-genai"
-    if (path / "config.json").is_file() and any(path.glob("*.onnx")):
+    if (path / "config.json").is_file() and any(path.glob("*.onnx")) and not _shared_kv(path):
         return "optimum"
     return None
+
+
+def _shared_kv(folder: Path) -> bool:
+    """A graph with a shared KV cache (GroupQueryAttention): optimum cannot run it."""
+    import json
+
+    try:
+        manifest = json.loads((folder / "edgeinfer.json").read_text(encoding="utf-8"))
+        return manifest["architecture"]["kv_cache"] == "shared"
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def peers_for(
