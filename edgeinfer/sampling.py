@@ -9,7 +9,8 @@ Defined edge cases: a temperature so small that it underflows float32 (below ~1.
 as if it were that smallest normal float32 (effectively greedy); biases are bounded by
 ``MAX_LOGIT_BIAS`` and ``-inf`` bans a token; a ``logit_bias`` banning every token is refused;
 logits that are NaN or infinite at the chosen token raise ``BackendUnavailableError`` instead of
-handing out a meaningless token.
+handing out a meaningless token. A repetition penalty below float32's smallest normal number
+acts as that number, and penalised logits are kept within float32's finite range.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = ["MAX_LOGIT_BIAS", "Sampler", "SamplingConfig"]
 MAX_LOGIT_BIAS = 1e6  # |bias| above this is refused (float32 logits + bias would overflow)
 # Temperatures are applied in float32: smaller ones are raised to its smallest normal number.
 _MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
+_MAX_FLOAT32 = float(np.finfo(np.float32).max)
 
 # The first candidate set tried for top-p; grown 4x until it holds the nucleus.
 _TOP_P_FIRST_GUESS = 64
@@ -212,8 +214,12 @@ class Sampler:
             recent = np.unique(np.asarray(history[-cfg.repetition_window :], dtype=np.int64))
             recent = recent[(recent >= 0) & (recent < x.size)]
             values = x[recent]
-            penalty = np.float32(cfg.repetition_penalty)
-            x[recent] = np.where(values > 0, values / penalty, values * penalty)
+            # a penalty that underflows float32 acts as its smallest normal number, and the
+            # penalised logits stay finite (a tiny penalty would divide them past float32)
+            penalty = np.float32(min(max(cfg.repetition_penalty, _MIN_TEMPERATURE), _MAX_FLOAT32))
+            with np.errstate(over="ignore"):
+                penalised = np.where(values > 0, values / penalty, values * penalty)
+            x[recent] = np.clip(penalised, -_MAX_FLOAT32, _MAX_FLOAT32)
 
     def _filter(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Candidate ids and their (unnormalised) probabilities after top-k/top-p/min-p."""

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import edgeinfer
@@ -113,6 +113,8 @@ sampling_kwargs = st.fixed_dictionaries(
 
 
 @given(sampling_kwargs, st.lists(st.integers(0, 499), max_size=80))
+@example(kwargs={"repetition_penalty": 2.7593677975611514e-270}, history=[0])  # underflows
+@example(kwargs={"repetition_penalty": 1e-30}, history=[0])  # divides past float32
 @settings(max_examples=600, deadline=None)
 def test_any_sampling_arguments_give_a_token_or_a_typed_error(
     kwargs: dict[str, Any], history: list[int]
