@@ -155,6 +155,20 @@ _COSTS = {
                        "default": 1.2},
     ),
 }  # fmt: skip
+# onnxruntime on a graph with one preallocated KV buffer written in place (GroupQueryAttention,
+# the native builder's graphs) that returns the last position's logits only. Measured with
+# `python benchmarks/bench_memory.py --model <native folder> --budgets 512MB 768MB 1GB` on the
+# default model: peak - at load - KV = 46 / 49 / 62 MB at (context, batch) 1280/64, 2048/256,
+# 2048/512, so no second cache instance and no per-token logits; onnxruntime pre-packs the
+# MatMulNBits weights beside the mapped file (at load: 1.6x the weight file).
+_COSTS["onnx-shared"] = dataclasses.replace(
+    _COSTS["onnx"],
+    kv_factor=1.0,
+    score_bytes=2.0,
+    compute_fixed_bytes=40 * MiB,
+    logits_per_batch_token=0,
+    weight_factor={"gguf-blocks": 1.6, "default": 1.6},
+)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
 _UNITS = {
@@ -202,6 +216,7 @@ class ModelShape:
     trained_context: int
     tokenizer_bytes: int = 0
     files: tuple[str, ...] = ()  # the files the engine maps (weights), as absolute paths
+    kv_cache: str = "grow"  # ONNX: "shared" when one preallocated buffer holds the cache
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -343,6 +358,7 @@ def _onnx_shape(folder: Path, manifest: Any) -> ModelShape:
         trained_context=arch.max_context,
         tokenizer_bytes=tokenizer.stat().st_size if tokenizer.is_file() else 0,
         files=tuple(str(p.resolve()) for p in files if p.is_file()),
+        kv_cache=arch.kv_cache,
     )
 
 
@@ -365,7 +381,7 @@ def plan_memory(
     compute threads. ``loaded`` is the resident set measured once the engine holds the
     weights (see ``FitAtLoad``): it then replaces the estimated process, weights and engine.
     """
-    costs = _COSTS[shape.format]
+    costs = _COSTS["onnx-shared" if shape.kv_cache == "shared" else shape.format]
     if process is None:
         process = psutil.Process().memory_info().rss
     if engine_loaded is None:
