@@ -69,7 +69,6 @@ class NBitsWeight:
     block_size: int
     packed: np.ndarray  # uint8 [n, k // block_size, block_size * bits // 8]
     scales: np.ndarray  # float32 [n, k // block_size]
-    zero_points: np.ndarray | None  # uint8, packed as MatMulNBits reads it; None = 2**(bits-1)
     offset: np.ndarray | None  # float32 [n, k // OFFSET_BLOCK], added per 32-wide block
 
     def unsigned(self) -> np.ndarray:
@@ -80,23 +79,12 @@ class NBitsWeight:
         high = self.packed >> 4
         return np.stack([low, high], axis=-1).reshape(self.n, self.k)
 
-    def zero_point_values(self) -> np.ndarray:
-        """The zero point of every block as uint8 ``[n, k // block_size]``."""
-        blocks = self.k // self.block_size
-        if self.zero_points is None:
-            return np.full((self.n, blocks), 1 << (self.bits - 1), dtype=np.uint8)
-        if self.bits == 8:
-            return self.zero_points.reshape(self.n, blocks)
-        pairs = self.zero_points.reshape(self.n, -1)
-        both = np.stack([pairs & 0x0F, pairs >> 4], axis=-1).reshape(self.n, -1)
-        return both[:, :blocks]
-
     def dequantize(self) -> np.ndarray:
         """The weight as float32 ``[n, k]``, computed as the ONNX graph computes it."""
         blocks = self.k // self.block_size
         u = self.unsigned().astype(np.float32).reshape(self.n, blocks, self.block_size)
-        zp = self.zero_point_values().astype(np.float32)[..., None]
-        w = (self.scales[..., None] * (u - zp)).reshape(self.n, self.k)
+        zero_point = float(1 << (self.bits - 1))  # MatMulNBits' default
+        w = (self.scales[..., None] * (u - zero_point)).reshape(self.n, self.k)
         if self.offset is not None:
             w = w + np.repeat(self.offset, OFFSET_BLOCK, axis=1)
         return w
@@ -164,19 +152,16 @@ def _weight(
     k: int,
     bits: int,
     block_size: int,
-    zero: bool,
     offset: np.ndarray | None,
 ) -> NBitsWeight:
     """Pack ``u`` (uint8 [n, k]) as MatMulNBits reads it: 8-bit as is; 4-bit two per byte,
-    element 2i in the low nibble. ``zero`` gives every block an explicit zero point 0."""
+    element 2i in the low nibble."""
     blocks = k // block_size
     if bits == 8:
         packed = u.reshape(n, blocks, block_size)
-        zp = np.zeros((n, blocks), dtype=np.uint8) if zero else None
     else:
         pairs = u.reshape(n, blocks, block_size // 2, 2)
         packed = (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8)
-        zp = np.zeros((n, (blocks + 1) // 2), dtype=np.uint8) if zero else None
     return NBitsWeight(
         n=n,
         k=k,
@@ -184,20 +169,19 @@ def _weight(
         block_size=block_size,
         packed=np.ascontiguousarray(packed, dtype=np.uint8),
         scales=np.ascontiguousarray(scales.reshape(n, blocks), dtype=np.float32),
-        zero_points=zp,
         offset=None if offset is None else np.ascontiguousarray(offset.reshape(n, -1), np.float32),
     )
 
 
 def _q4_0(data: np.ndarray, n: int, k: int) -> NBitsWeight:
     u = _nibbles_split(data[..., 2:18])
-    return _weight(u.reshape(n, k), _f16(data, 0), n, k, 4, 32, zero=False, offset=None)
+    return _weight(u.reshape(n, k), _f16(data, 0), n, k, 4, 32, offset=None)
 
 
 def _q4_1(data: np.ndarray, n: int, k: int) -> NBitsWeight:
     u = _nibbles_split(data[..., 4:20])
     d = _f16(data, 0)  # d q + m = d (q - 8) + (m + 8 d)
-    return _weight(u.reshape(n, k), d, n, k, 4, 32, zero=False, offset=_f16(data, 2) + 8 * d)
+    return _weight(u.reshape(n, k), d, n, k, 4, 32, offset=_f16(data, 2) + 8 * d)
 
 
 def _q5(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
@@ -206,17 +190,17 @@ def _q5(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
 
 def _q5_0(data: np.ndarray, n: int, k: int) -> NBitsWeight:
     u = _q5(data[..., 2:6], data[..., 6:22]) + np.uint8(112)  # u - 128 = q5 - 16
-    return _weight(u.reshape(n, k), _f16(data, 0), n, k, 8, 32, zero=False, offset=None)
+    return _weight(u.reshape(n, k), _f16(data, 0), n, k, 8, 32, offset=None)
 
 
 def _q5_1(data: np.ndarray, n: int, k: int) -> NBitsWeight:
     u = _q5(data[..., 4:8], data[..., 8:24]) + np.uint8(128)  # u - 128 = q5
-    return _weight(u.reshape(n, k), _f16(data, 0), n, k, 8, 32, zero=False, offset=_f16(data, 2))
+    return _weight(u.reshape(n, k), _f16(data, 0), n, k, 8, 32, offset=_f16(data, 2))
 
 
 def _q8_0(data: np.ndarray, n: int, k: int) -> NBitsWeight:
     u = data[..., 2:34] ^ np.uint8(0x80)  # int8 q -> q + 128
-    return _weight(u.reshape(n, k), _f16(data, 0), n, k, 8, 32, zero=False, offset=None)
+    return _weight(u.reshape(n, k), _f16(data, 0), n, k, 8, 32, offset=None)
 
 
 def _k_common(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -229,7 +213,7 @@ def _k_common(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _q4_k(data: np.ndarray, n: int, k: int) -> NBitsWeight:
     scales, offset = _k_common(data)
     u = _k_nibbles(data[..., 16:144])  # s q - min = s (q - 8) + (8 s - min)
-    return _weight(u.reshape(n, k), scales, n, k, 4, 32, zero=False, offset=offset + 8 * scales)
+    return _weight(u.reshape(n, k), scales, n, k, 4, 32, offset=offset + 8 * scales)
 
 
 def _q5_k(data: np.ndarray, n: int, k: int) -> NBitsWeight:
@@ -238,7 +222,7 @@ def _q5_k(data: np.ndarray, n: int, k: int) -> NBitsWeight:
     qh = data[..., 16:48]  # element i of sub-block j takes bit j of qh[i]
     high = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
     u = (low | (high << 4)) + np.uint8(128)  # u - 128 = q5
-    return _weight(u.reshape(n, k), scales, n, k, 8, 32, zero=False, offset=offset)
+    return _weight(u.reshape(n, k), scales, n, k, 8, 32, offset=offset)
 
 
 def _q6_k(data: np.ndarray, n: int, k: int) -> NBitsWeight:
@@ -246,18 +230,17 @@ def _q6_k(data: np.ndarray, n: int, k: int) -> NBitsWeight:
     qh = data[..., 128:192].reshape((*data.shape[:-1], 2, 32))
     sc = np.ascontiguousarray(data[..., 192:208]).view(np.int8).astype(np.float32)
     d = _f16(data, 208)
-    h = qh
     q = np.concatenate(
         [
-            (ql[..., 0:32] & 0x0F) | ((h & 3) << 4),
-            (ql[..., 32:64] & 0x0F) | (((h >> 2) & 3) << 4),
-            (ql[..., 0:32] >> 4) | (((h >> 4) & 3) << 4),
-            (ql[..., 32:64] >> 4) | (((h >> 6) & 3) << 4),
+            (ql[..., 0:32] & 0x0F) | ((qh & 3) << 4),
+            (ql[..., 32:64] & 0x0F) | (((qh >> 2) & 3) << 4),
+            (ql[..., 0:32] >> 4) | (((qh >> 4) & 3) << 4),
+            (ql[..., 32:64] >> 4) | (((qh >> 6) & 3) << 4),
         ],
         axis=-1,
     )  # [n, nb, 2, 128]: element order within each half
     u = q.reshape(n, k) + np.uint8(96)  # u - 128 = q6 - 32
-    return _weight(u, d[..., None] * sc, n, k, 8, 16, zero=False, offset=None)
+    return _weight(u, d[..., None] * sc, n, k, 8, 16, offset=None)
 
 
 _MAPPERS = {

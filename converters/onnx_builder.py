@@ -163,11 +163,7 @@ class _Graph:
         self, op: str, inputs: list[str], n_out: int = 1, domain: str = "", **attrs: Any
     ) -> list[str]:
         outs = [self.name(op) for _ in range(n_out)]
-        self.nodes.append(
-            self.helper.make_node(
-                op, inputs, outs, name=self.name(op + "_node"), domain=domain or None, **attrs
-            )
-        )
+        self.node_named(op, inputs, outs, domain, **attrs)
         return outs
 
     def node_named(
@@ -240,15 +236,19 @@ def build_onnx_from_gguf(
     def linear(x: str, ts: list[TensorInfo], stem: str) -> str:
         """x @ [W1; W2; ...].T for GGUF weights ([n rows of k]) that share the input x: one
         MatMulNBits over their rows together when their blocks have one form."""
-        ws = [weights(t) for t in ts]
-        forms = {(w.bits, w.block_size) if w is not None else None for w in ws}
+        return transcoded_linear(x, [(t, weights(t)) for t in ts], stem)
+
+    def transcoded_linear(
+        x: str, pairs: list[tuple[TensorInfo, NBitsWeight | None]], stem: str
+    ) -> str:
+        forms = {(w.bits, w.block_size) if w is not None else None for _, w in pairs}
         if len(forms) > 1 or None in forms:
-            if len(ts) > 1:
-                outs = [linear(x, [t], f"{stem}.{i}") for i, t in enumerate(ts)]
+            if len(pairs) > 1:
+                outs = [transcoded_linear(x, [p], f"{stem}.{i}") for i, p in enumerate(pairs)]
                 return g.node("Concat", outs, axis=-1)[0]
-            w = g.const(f"{stem}.weight_t", tensors.floats(ts[0]).T.copy())
+            w = g.const(f"{stem}.weight_t", tensors.floats(pairs[0][0]).T.copy())
             return g.node("MatMul", [x, w])[0]
-        parts = [w for w in ws if w is not None]
+        parts = [w for _, w in pairs if w is not None]
         for w in parts:
             key = f"{w.bits}-bit/{w.block_size}"
             report.nbits[key] = report.nbits.get(key, 0) + 1

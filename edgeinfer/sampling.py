@@ -27,9 +27,10 @@ from .errors import BackendUnavailableError, InvalidRequestError, short_repr
 __all__ = ["MAX_LOGIT_BIAS", "Sampler", "SamplingConfig"]
 
 MAX_LOGIT_BIAS = 1e6  # |bias| above this is refused (float32 logits + bias would overflow)
-# Temperatures are applied in float32: smaller ones are raised to its smallest normal number.
-_MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
-_MAX_FLOAT32 = float(np.finfo(np.float32).max)
+# Temperatures and repetition penalties are applied in float32: smaller ones are raised to its
+# smallest normal number, larger penalties lowered to its largest.
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 # The first candidate set tried for top-p; grown 4x until it holds the nucleus.
 _TOP_P_FIRST_GUESS = 64
@@ -182,7 +183,7 @@ class Sampler:
                 "least one token allowed"
             )
         self._needs_copy = bool(self._bias_ids.size) or config.repetition_penalty != 1.0
-        self._temperature = np.float32(max(config.temperature, _MIN_TEMPERATURE))
+        self._temperature = np.float32(max(config.temperature, _FLOAT32_TINY))
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """logits: float32 [vocab] (may be an engine-owned view; it is never written)."""
@@ -216,10 +217,10 @@ class Sampler:
             values = x[recent]
             # a penalty that underflows float32 acts as its smallest normal number, and the
             # penalised logits stay finite (a tiny penalty would divide them past float32)
-            penalty = np.float32(min(max(cfg.repetition_penalty, _MIN_TEMPERATURE), _MAX_FLOAT32))
+            penalty = np.float32(min(max(cfg.repetition_penalty, _FLOAT32_TINY), _FLOAT32_MAX))
             with np.errstate(over="ignore"):
                 penalised = np.where(values > 0, values / penalty, values * penalty)
-            x[recent] = np.clip(penalised, -_MAX_FLOAT32, _MAX_FLOAT32)
+            x[recent] = np.clip(penalised, -_FLOAT32_MAX, _FLOAT32_MAX)
 
     def _filter(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Candidate ids and their (unnormalised) probabilities after top-k/top-p/min-p."""

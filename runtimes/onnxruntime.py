@@ -241,7 +241,8 @@ class OrtBackend:
             binding.bind_cpu_input("position_ids", positions)
         for name, value in zip(self._past_names, self._past, strict=True):
             binding.bind_ortvalue_input(name, value)
-        if n == 1 or self._last_only:  # logits land in one preallocated buffer
+        one_buffer = n == 1 or self._last_only
+        if one_buffer:  # logits land in one preallocated buffer
             binding.bind_output(
                 "logits",
                 "cpu",
@@ -263,15 +264,13 @@ class OrtBackend:
         except Exception as exc:  # onnxruntime's own error types
             raise BackendUnavailableError(f"onnxruntime failed to run the model: {exc}") from exc
         self._n_past = total
-        if n == 1 or self._last_only:
-            logits = self._decode_logits[0, -1]
-            if self._shared:
-                return logits
+        if self._shared and one_buffer:  # nothing bound was allocated by the run
+            return self._decode_logits[0, -1]
         outputs = binding.get_outputs()  # logits first, then present.*
         if not self._shared:
             self._past = list(outputs[1:])  # present.* become the next step's past
-        if n == 1 or self._last_only:
-            return logits
+        if one_buffer:
+            return self._decode_logits[0, -1]
         return outputs[0].numpy()[0, -1]  # [vocab]: the last position only
 
     def rewind(self, n: int) -> None:

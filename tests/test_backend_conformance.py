@@ -11,10 +11,10 @@ import pytest
 
 import edgeinfer
 from edgeinfer import EdgeInferError, InvalidRequestError
+from edgeinfer.bench.peers import policy_llama
 from edgeinfer.model import Model
 from edgeinfer.runtimes.base import Backend, Tokenizer
 
-from .llama_ref import reference_llama
 from .textcheck import non_ascii_bias, reference_text
 
 pytestmark = pytest.mark.model
@@ -45,7 +45,7 @@ def test_greedy_answer_equals_a_reference_engine(
     prompt = "The capital of France is"
     result = model.generate(prompt, max_new_tokens=16, temperature=0)
     if model_path.suffix == ".gguf":
-        ref = reference_llama(str(model_path), n_ctx=512, verbose=False)
+        ref = policy_llama(str(model_path), n_ctx=512, verbose=False)
         try:
             done = ref.create_completion(prompt, max_tokens=16, temperature=0)
         finally:

@@ -24,6 +24,7 @@ from edgeinfer.errors import InvalidRequestError, ModelLoadError
 
 CLI = [sys.executable, "-m", "edgeinfer.cli", "bench"]
 TINY = ["-p", "8,16", "-n", "4", "-r", "2", "--warmup", "0", "--context-length", "64"]
+ONE_RUN = ["-p", "8", "-n", "4", "-r", "1", "--warmup", "0", "--context-length", "64"]
 
 
 def bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -68,37 +69,12 @@ def test_compare_json_has_edgeinfer_and_llama_cpp_python_rows(tiny_llama_gguf: P
 
 
 def test_table_and_markdown(tiny_llama_gguf: Path) -> None:
-    out = bench(
-        str(tiny_llama_gguf),
-        "-p",
-        "8",
-        "-n",
-        "4",
-        "-r",
-        "1",
-        "--warmup",
-        "0",
-        "--context-length",
-        "64",
-    )
+    out = bench(str(tiny_llama_gguf), *ONE_RUN)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("| model") and "tg t/s" in lines[0] and "TTFT ms" in lines[0]
     assert "pp8+tg4" in lines[2] and "edgeinfer" in lines[2]
-    md = bench(
-        str(tiny_llama_gguf),
-        "-p",
-        "8",
-        "-n",
-        "4",
-        "-r",
-        "1",
-        "--warmup",
-        "0",
-        "--context-length",
-        "64",
-        "--markdown",
-    )
+    md = bench(str(tiny_llama_gguf), *ONE_RUN, "--markdown")
     assert md.returncode == 0, md.stderr
     assert md.stdout.startswith("`edgeinfer bench ")
     assert "| --- | --- |" in md.stdout and "mean ± stddev over 1 runs" in md.stdout
@@ -106,21 +82,7 @@ def test_table_and_markdown(tiny_llama_gguf: Path) -> None:
 
 def test_onnx_folder_compares_with_optimum(tiny_llama_onnx: Path) -> None:
     pytest.importorskip("optimum.onnxruntime")
-    out = bench(
-        str(tiny_llama_onnx),
-        "-p",
-        "8",
-        "-n",
-        "4",
-        "-r",
-        "1",
-        "--warmup",
-        "0",
-        "--context-length",
-        "64",
-        "--compare",
-        "--json",
-    )
+    out = bench(str(tiny_llama_onnx), *ONE_RUN, "--compare", "--json")
     assert out.returncode == 0, out.stderr
     rows = {r["engine"]: r for r in json.loads(out.stdout)["results"]}
     assert set(rows) == {"edgeinfer", "optimum"}
@@ -164,20 +126,7 @@ def test_model_that_does_not_load_is_one_line(tmp_path: Path) -> None:
 
 def test_ctrl_c_prints_what_was_measured(tiny_llama_gguf: Path) -> None:
     proc = subprocess.Popen(
-        [
-            *CLI,
-            str(tiny_llama_gguf),
-            "-p",
-            "8",
-            "-n",
-            "4",
-            "-r",
-            "500",
-            "--warmup",
-            "0",
-            "--context-length",
-            "64",
-        ],
+        [*CLI, str(tiny_llama_gguf), *ONE_RUN, "-r", "500"],  # the last -r counts
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -197,23 +146,7 @@ def test_ctrl_c_prints_what_was_measured(tiny_llama_gguf: Path) -> None:
 def test_plot_draws_a_png(tiny_llama_gguf: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "bench.png"
-    out = bench(
-        str(tiny_llama_gguf),
-        "-p",
-        "8",
-        "-n",
-        "4",
-        "-r",
-        "1",
-        "--warmup",
-        "0",
-        "--context-length",
-        "64",
-        "--compare",
-        "--json",
-        "--plot",
-        str(png),
-    )
+    out = bench(str(tiny_llama_gguf), *ONE_RUN, "--compare", "--json", "--plot", str(png))
     assert out.returncode == 0, out.stderr
     data = png.read_bytes()
     assert data.startswith(b"\x89PNG") and len(data) > 5000

@@ -14,11 +14,10 @@ import pytest
 
 import edgeinfer
 from edgeinfer import ConversionError
+from edgeinfer.bench.peers import policy_llama
 from edgeinfer.converters import convert
 from edgeinfer.converters.gguf_export import TOKENIZER_CHECK_TEXT, interleave_rotary_rows
 from edgeinfer.converters.gguf_pipeline import sidecar_path
-
-from .llama_ref import reference_llama
 
 pytest.importorskip("gguf", reason="needs the convert extra")
 
@@ -57,7 +56,7 @@ def test_tiny_f32_gguf_logits_match_transformers(tiny_hf: Path, tiny_gguf: Path)
     reference = AutoModelForCausalLM.from_pretrained(tiny_hf, dtype=torch.float32).eval()
     text = "The capital of France is Paris. Café, 你好 🙂"
     f32_cache = 0  # GGML_TYPE_F32
-    exact = reference_llama(str(tiny_gguf), n_ctx=128, logits_all=True, type_k=f32_cache,
+    exact = policy_llama(str(tiny_gguf), n_ctx=128, logits_all=True, type_k=f32_cache,
                   type_v=f32_cache, verbose=False)  # fmt: skip
     try:
         ids = exact.tokenize(text.encode(), add_bos=False)
@@ -132,7 +131,7 @@ def test_quantized_ggufs_load_in_both_runtimes(
     assert out.stat().st_size < default_gguf_f16.stat().st_size * 0.6
     with edgeinfer.load(out, context_length=256) as model:
         text = model.generate("The capital of France is", max_new_tokens=4, temperature=0).text
-    ref = reference_llama(str(out), n_ctx=256, verbose=False)
+    ref = policy_llama(str(out), n_ctx=256, verbose=False)
     try:
         done = ref.create_completion("The capital of France is", max_tokens=4, temperature=0)
     finally:

@@ -65,10 +65,7 @@ def _matmul_nbits_graph(weight: NBitsWeight, m: int) -> Any:
         numpy_helper.from_array(weight.packed, "B"),
         numpy_helper.from_array(weight.scales.reshape(-1), "scales"),
     ]
-    inputs = ["A", "B", "scales"]
-    if weight.zero_points is not None:
-        inits.append(numpy_helper.from_array(weight.zero_points.reshape(-1), "zp"))
-        inputs.append("zp")
+    inputs = ["A", "B", "scales"]  # zero points: MatMulNBits' default
     nodes = [
         helper.make_node(
             "MatMulNBits",

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 import edgeinfer
+from edgeinfer.bench.peers import policy_llama
 from edgeinfer.model import Model
 
-from .llama_ref import reference_llama
 from .textcheck import non_ascii_bias, reference_text
 
 pytestmark = pytest.mark.model
@@ -42,7 +42,7 @@ def test_greedy_tokens_equal_llama_cpp_python(
     """
     with edgeinfer.load(default_gguf, flash_attention=flash_attention) as model:
         ours = model.generate(prompt, max_new_tokens=64, temperature=0)
-    ref = reference_llama(str(default_gguf), flash_attn=flash_attention, verbose=False)
+    ref = policy_llama(str(default_gguf), flash_attn=flash_attention, verbose=False)
     try:
         n_prompt = len(ref.tokenize(prompt.encode(), special=True))
         out = ref.create_completion(prompt, max_tokens=64, temperature=0)

@@ -61,12 +61,14 @@ def peer_kind(path: Path) -> str | None:
 
 def _shared_kv(folder: Path) -> bool:
     """A graph with a shared KV cache (GroupQueryAttention): optimum cannot run it."""
-    import json
+    from ..errors import ModelLoadError
+    from ..manifest import MANIFEST_NAME, Manifest
 
+    if not (folder / MANIFEST_NAME).is_file():
+        return False
     try:
-        manifest = json.loads((folder / "edgeinfer.json").read_text(encoding="utf-8"))
-        return manifest["architecture"]["kv_cache"] == "shared"
-    except (OSError, ValueError, KeyError, TypeError):
+        return Manifest.read(folder).architecture.kv_cache == "shared"
+    except ModelLoadError:
         return False
 
 

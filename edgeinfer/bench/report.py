@@ -17,25 +17,19 @@ __all__ = ["BenchReport", "Row", "summarize"]
 
 SCHEMA = "edgeinfer.bench/1"
 MB = 1e6
-# the per-run figures summarised in every row: key in a run -> (key in the row, scale)
+# the figures summarised in every row: name in the row -> (key in a run, scale)
 FIGURES = {
-    "prefill_tok_s": ("pp_tok_s", 1.0),
-    "decode_tok_s": ("tg_tok_s", 1.0),
-    "ttft_s": ("ttft_ms", 1000.0),
-    "peak_rss_bytes": ("peak_rss_mb", 1 / MB),
+    "pp_tok_s": ("prefill_tok_s", 1.0),
+    "tg_tok_s": ("decode_tok_s", 1.0),
+    "ttft_ms": ("ttft_s", 1000.0),
+    "peak_rss_mb": ("peak_rss_bytes", 1 / MB),
 }
 
 
 def summarize(values: list[float]) -> dict[str, float]:
     """mean, stddev (sample; 0 for one value), median, min and max."""
     if not values:
-        return {
-            "mean": math.nan,
-            "stddev": math.nan,
-            "median": math.nan,
-            "min": math.nan,
-            "max": math.nan,
-        }
+        return dict.fromkeys(("mean", "stddev", "median", "min", "max"), math.nan)
     return {
         "mean": statistics.fmean(values),
         "stddev": statistics.stdev(values) if len(values) > 1 else 0.0,
@@ -63,8 +57,7 @@ class Row:
         return (self.model, self.threads, self.prompt_tokens)
 
     def figure(self, name: str) -> dict[str, float]:
-        source = next(k for k, (row_key, _) in FIGURES.items() if row_key == name)
-        scale = FIGURES[source][1]
+        source, scale = FIGURES[name]
         return summarize([float(r[source]) * scale for r in self.runs])
 
     def last(self, key: str) -> Any:
@@ -140,7 +133,7 @@ class BenchReport:
                     "context_length": r.last("context_length"),
                     "repetitions": len(r.runs),
                     "tokens_generated_min": min(int(x["tokens"]) for x in r.runs),
-                    **{name: r.figure(name) for name, _ in FIGURES.values()},
+                    **{name: r.figure(name) for name in FIGURES},
                     "plan_total_mb": plan / MB if plan else None,
                     "ratio_to_edgeinfer": {
                         "pp_tok_s": self.ratio(r, "pp_tok_s"),

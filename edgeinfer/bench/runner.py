@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import metadata
+from itertools import product
 from typing import Any, TextIO
 
 from ..config import MAX_THREADS, LoadConfig
@@ -227,7 +228,8 @@ def run_bench(
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         command=command or [],
     )
-    total = len(s.models) * len(s.threads) * len(s.prompt_tokens) * (s.warmup + s.repetitions)
+    rounds = s.warmup + s.repetitions
+    total = len(s.models) * len(s.threads) * len(s.prompt_tokens) * rounds
     step = 0
     try:
         for model in s.models:
@@ -239,83 +241,60 @@ def run_bench(
                     progress.say(line)
                     report.notes.append(line)
             failed: set[Peer] = set()
-            shared: dict[int, dict[str, Any]] = {}  # prompt length -> ids and ban list
-            for threads in s.threads:
-                for n_prompt in s.prompt_tokens:
-                    for rep in range(s.warmup + s.repetitions):
-                        step += 1
-                        measured = rep >= s.warmup
-                        label = (
-                            f"run {rep - s.warmup + 1}/{s.repetitions}"
-                            if measured
-                            else f"warm-up {rep + 1}/{s.warmup}"
+            for threads, n_prompt, rep in product(s.threads, s.prompt_tokens, range(rounds)):
+                step += 1
+                measured = rep >= s.warmup
+                label = (
+                    f"run {rep - s.warmup + 1}/{s.repetitions}"
+                    if measured
+                    else f"warm-up {rep + 1}/{s.warmup}"
+                )
+                where = (
+                    f"bench [{step}/{total}] {source.name} pp{n_prompt}+tg{s.new_tokens} t{threads}"
+                )
+                base = {
+                    "prompt_tokens": n_prompt,
+                    "new_tokens": s.new_tokens,
+                    "threads": threads,
+                    "context_length": s.context_length,
+                    "device": s.device,
+                    "memory_budget": s.memory_budget,
+                }
+
+                progress.show(f"{where} edgeinfer {label}")
+                try:
+                    ours = runner({**base, "engine": "edgeinfer", "model": str(source.path)})
+                except RunFailed as exc:
+                    cls = _ERRORS.get(exc.kind, BackendUnavailableError)
+                    raise cls(f"{source.name}: {exc}") from None
+                if measured:
+                    report.row(source.name, str(source.path), "edgeinfer", str(source.path),
+                               threads, n_prompt, s.new_tokens).runs.append(ours)  # fmt: skip
+                # peers run what edgeinfer ran: its prompt ids, banned ids, device, context
+                handed = {
+                    key: ours.get(key)
+                    for key in (
+                        "prompt_ids", "ban_ids", "device", "provider", "n_gpu_layers",
+                        "context_length",
+                    )
+                }  # fmt: skip
+                for peer in peers:
+                    if peer in failed:
+                        continue
+                    progress.show(f"{where} {peer.engine} {label}")
+                    try:
+                        theirs = runner(
+                            {**base, **handed, "engine": peer.engine, "model": str(peer.path)}
                         )
-                        where = (
-                            f"bench [{step}/{total}] {source.name} pp{n_prompt}+tg"
-                            f"{s.new_tokens} t{threads}"
-                        )
-                        base = {
-                            "prompt_tokens": n_prompt,
-                            "new_tokens": s.new_tokens,
-                            "threads": threads,
-                            "context_length": s.context_length,
-                            "device": s.device,
-                            "memory_budget": s.memory_budget,
-                        }
-                        progress.show(f"{where} edgeinfer {label}")
-                        try:
-                            ours = runner(
-                                {**base, "engine": "edgeinfer", "model": str(source.path)}
-                            )
-                        except RunFailed as exc:
-                            cls = _ERRORS.get(exc.kind, BackendUnavailableError)
-                            raise cls(f"{source.name}: {exc}") from None
-                        shared[n_prompt] = {
-                            "prompt_ids": ours["prompt_ids"],
-                            "ban_ids": ours["ban_ids"],
-                            "device": ours["device"],
-                            "provider": ours["provider"],
-                            "n_gpu_layers": ours.get("n_gpu_layers"),
-                            "context_length": ours["context_length"],
-                        }
-                        if measured:
-                            report.row(
-                                source.name,
-                                str(source.path),
-                                "edgeinfer",
-                                str(source.path),
-                                threads,
-                                n_prompt,
-                                s.new_tokens,
-                            ).runs.append(ours)
-                        for peer in peers:
-                            if peer in failed:
-                                continue
-                            progress.show(f"{where} {peer.engine} {label}")
-                            spec = {
-                                **base,
-                                **shared[n_prompt],
-                                "engine": peer.engine,
-                                "model": str(peer.path),
-                            }
-                            try:
-                                theirs = runner(spec)
-                            except RunFailed as exc:
-                                failed.add(peer)
-                                line = f"{peer.engine} failed on {peer.path.name}, left out: {exc}"
-                                progress.say(line)
-                                report.notes.append(line)
-                                continue
-                            if measured:
-                                report.row(
-                                    source.name,
-                                    str(source.path),
-                                    peer.engine,
-                                    str(peer.path),
-                                    threads,
-                                    n_prompt,
-                                    s.new_tokens,
-                                ).runs.append(theirs)
+                    except RunFailed as exc:
+                        failed.add(peer)
+                        line = f"{peer.engine} failed on {peer.path.name}, left out: {exc}"
+                        progress.say(line)
+                        report.notes.append(line)
+                        continue
+                    if measured:
+                        report.row(source.name, str(source.path), peer.engine, str(peer.path),
+                                   threads, n_prompt, s.new_tokens).runs.append(theirs)  # fmt: skip
     except KeyboardInterrupt:
         report.interrupted = True
     except EdgeInferError as exc:
