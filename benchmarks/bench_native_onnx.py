@@ -1,17 +1,17 @@
 """The native ONNX builder on the default model: agreement with llama.cpp, where a decode
 step's time goes, and the graph's raw decode speed.
 
-Builds the default GGUF into a folder with ``write_native_folder`` (the tokenizer from the
-Hugging Face checkpoint the tests derive), then:
+Builds the default GGUF into a folder with ``write_gguf_folder`` (graph, tokenizer and
+manifest from the GGUF alone), then:
 
 - top-1 agreement with llama.cpp on the same GGUF, teacher-forced over a fixed text;
 - onnxruntime's profile of 40 decode steps, summed per operator type;
 - decode tokens/s of a bare IO-binding loop (no sampler, no detokenizer), 128 steps after a
   128-token prompt.
 
-    python benchmarks/bench_native_onnx.py HF_DIR [--threads 2] [--out FILE.json]
+    python benchmarks/bench_native_onnx.py [--threads 2] [--out FILE.json]
 
-HF_DIR: ``$EDGEINFER_HOME/derived/<sha>-r2/hf``. Speed against the peers is ``edgeinfer bench``.
+Speed against the peers is ``edgeinfer bench``.
 """
 
 from __future__ import annotations
@@ -126,20 +126,19 @@ def raw_decode(folder: Path, threads: int) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("hf_dir", type=Path, help="the default model's derived HF checkpoint")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "native-onnx.json"
     )
     args = parser.parse_args()
     from edgeinfer import catalog
-    from edgeinfer.converters.onnx_builder import write_native_folder
+    from edgeinfer.converters.native_pipeline import write_gguf_folder
 
     gguf = catalog.fetch(catalog.DEFAULT_MODEL)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         t0 = time.perf_counter()
-        built = write_native_folder(gguf, folder, args.hf_dir, max_context=2048)
+        _, built = write_gguf_folder(gguf, folder, max_context=2048)
         report = {
             "build_s": time.perf_counter() - t0,
             "nbits": built.nbits,

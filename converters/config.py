@@ -7,20 +7,42 @@ from pathlib import Path
 
 from edgeinfer.errors import ConversionError
 
-__all__ = ["GGUF_QUANTS", "ONNX_QUANTS", "ConvertConfig"]
+__all__ = [
+    "BUILDERS",
+    "GGUF_QUANTS",
+    "NATIVE_QUANTS",
+    "ONNX_QUANTS",
+    "ConvertConfig",
+    "is_gguf_file",
+]
 
-ONNX_QUANTS = ("fp32", "fp16", "int8", "int8wo", "int4")
+ONNX_QUANTS = ("keep", "fp32", "fp16", "int8", "int8wo", "int4")
+NATIVE_QUANTS = ("keep", "int4", "int8", "fp32")  # what the native builder writes
+BUILDERS = ("native", "optimum")
 # f32/f16/bf16/q8_0 are written directly; the others by llama.cpp's quantizer from f16
 GGUF_QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_k_m", "q4_k_m", "q6_k")
 _DEFAULT_QUANT = {"onnx": "int8", "gguf": "f16"}
+_GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf_file(path: Path) -> bool:
+    """A file that starts like a GGUF (the magic, not the name, decides)."""
+    try:
+        with path.open("rb") as fh:
+            return fh.read(4) == _GGUF_MAGIC
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)
 class ConvertConfig:
     src: Path
     out: Path
-    to: str = "onnx"
-    quant: str | None = None  # None: int8 for ONNX, f16 for GGUF
+    to: str | None = None  # None: gguf when OUT ends in .gguf, else onnx
+    quant: str | None = None  # None: keep (native), int8 (optimum) for ONNX; f16 for GGUF
+    # ONNX: "native" (GGUF sources: contrib-operator graph, no torch) or "optimum" (export
+    # through torch); None picks native for a GGUF source, optimum for a Hugging Face folder
+    builder: str | None = None
     overwrite: bool = False
     allow_pickle: bool = False  # load .bin/.pt weights (pickle can run code: trusted files only)
     # int4 (MatMulNBits): blocks of 32 weights with a zero point each. Asymmetric blocks keep
@@ -38,15 +60,28 @@ class ConvertConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "src", Path(self.src).expanduser())
         object.__setattr__(self, "out", Path(self.out).expanduser())
+        if self.to is None:
+            object.__setattr__(self, "to", "gguf" if self.out.suffix.lower() == ".gguf" else "onnx")
         if self.to not in _DEFAULT_QUANT:
             raise ConversionError(f"--to {self.to!r} is not supported; use onnx or gguf")
+        self._pick_builder()
         if self.quant is None:
-            object.__setattr__(self, "quant", _DEFAULT_QUANT[self.to])
-        allowed = ONNX_QUANTS if self.to == "onnx" else GGUF_QUANTS
+            default = "keep" if self.builder == "native" else _DEFAULT_QUANT[str(self.to)]
+            object.__setattr__(self, "quant", default)
+        if self.builder == "native":
+            allowed: tuple[str, ...] = NATIVE_QUANTS
+        elif self.to == "onnx":
+            allowed = tuple(q for q in ONNX_QUANTS if q != "keep")
+        else:
+            allowed = GGUF_QUANTS
         if self.quant not in allowed:
+            what = "the native ONNX builder" if self.builder == "native" else str(self.to).upper()
+            hint = (
+                " (keep is the native builder's, for a GGUF source)" if self.quant == "keep" else ""
+            )
             raise ConversionError(
-                f"--quant {self.quant!r} is not a {self.to.upper()} quantization; use one of "
-                f"{', '.join(allowed)}"
+                f"--quant {self.quant!r} is not written by {what}; use one of "
+                f"{', '.join(allowed)}{hint}"
             )
         if self.int4_block_size not in (16, 32, 64, 128, 256):
             raise ConversionError("int4 block size must be 16, 32, 64, 128 or 256")
@@ -60,3 +95,19 @@ class ConvertConfig:
             raise ConversionError("validation_tokens must be between 1 and 256")
         if self.src.resolve() == self.out.resolve():
             raise ConversionError("the output must not be the source")
+
+    def _pick_builder(self) -> None:
+        gguf_src = is_gguf_file(self.src)
+        if self.builder is not None and self.builder not in BUILDERS:
+            raise ConversionError(f"--builder {self.builder!r}: use native or optimum")
+        if self.to == "gguf":
+            if self.builder is not None:
+                raise ConversionError("--builder applies to --to onnx only")
+            return
+        if self.builder is None:
+            object.__setattr__(self, "builder", "native" if gguf_src else "optimum")
+        elif self.builder == "native" and not gguf_src:
+            raise ConversionError(
+                f"{self.src}: the native ONNX builder reads GGUF files; convert a Hugging Face "
+                "folder with --builder optimum (or to GGUF first, then to ONNX)"
+            )

@@ -253,3 +253,21 @@ _MAPPERS = {
     Q5_K: _q5_k,
     Q6_K: _q6_k,
 }
+
+
+def quantize_symmetric(w: np.ndarray, bits: int, block_size: int = 32) -> NBitsWeight:
+    """Float weights ``[n, k]`` rounded to symmetric ``bits``-bit blocks (MatMulNBits'
+    default zero point): per block, the value of largest magnitude maps to the most negative
+    integer, as llama.cpp's Q4_0/Q8_0 quantizers and onnxruntime's do. This re-rounds: it is
+    what ``--quant int4``/``int8`` ask for, never the default for a GGUF source."""
+    n, k = w.shape
+    if k % block_size:
+        raise ValueError(f"a row of {k} elements is not whole blocks of {block_size}")
+    half = 1 << (bits - 1)
+    blocks = w.reshape(n, k // block_size, block_size).astype(np.float32)
+    at = np.abs(blocks).argmax(axis=-1)[..., None]
+    extreme = np.take_along_axis(blocks, at, axis=-1)[..., 0]
+    scales = extreme / -half
+    inverse = np.divide(1.0, scales, out=np.zeros_like(scales), where=scales != 0)
+    q = np.clip(np.rint(blocks * inverse[..., None]) + half, 0, 2 * half - 1).astype(np.uint8)
+    return _weight(q.reshape(n, k), scales, n, k, bits, block_size, offset=None)

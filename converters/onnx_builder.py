@@ -31,15 +31,24 @@ import numpy as np
 
 from ..errors import ConversionError
 from ..gguf_file import GGUFHeader, TensorInfo, read_gguf_header
-from .gguf_blocks import OFFSET_BLOCK, Q4_0, Q8_0, NBitsWeight, transcode
+from .gguf_blocks import OFFSET_BLOCK, Q4_0, Q8_0, NBitsWeight, quantize_symmetric, transcode
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "BuildReport", "build_onnx_from_gguf"]
+__all__ = [
+    "QUANTS",
+    "SUPPORTED_ARCHITECTURES",
+    "BuildReport",
+    "build_onnx_from_gguf",
+    "gguf_shape",
+]
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 F32, F16, BF16 = 0, 1, 30
 ACCURACY_LEVEL = 4  # MatMulNBits quantizes activations to int8 per block: its fast CPU path
+QUANTS = ("keep", "int4", "int8", "fp32")  # keep: the GGUF's own blocks, exactly
+_INLINE_BYTES = 1024
+_DATA_ALIGN = 64
 
 
 @dataclass
@@ -66,7 +75,8 @@ class Shape:
     context: int
 
 
-def _shape(header: GGUFHeader) -> Shape:
+def gguf_shape(header: GGUFHeader) -> Shape:
+    """The model's dimensions; ConversionError for an architecture the builder does not know."""
     arch = header.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConversionError(
@@ -97,20 +107,30 @@ def _shape(header: GGUFHeader) -> Shape:
 class _Tensors:
     """The GGUF file's tensors, memory-mapped; one at a time as numpy arrays."""
 
-    def __init__(self, header: GGUFHeader) -> None:
+    def __init__(self, header: GGUFHeader, on_read: Callable[[], None]) -> None:
         self.header = header
-        self._map = np.memmap(header.path, dtype=np.uint8, mode="r")
         self._by_name = {t.name: t for t in header.tensors}
+        self._on_read = on_read
+        self.seen: set[str] = set()
 
     def info(self, name: str) -> TensorInfo | None:
         return self._by_name.get(name)
 
     def raw(self, t: TensorInfo) -> np.ndarray:
-        start = self.header.data_offset + t.offset
+        """The tensor's bytes, read on their own: pages of a memory map would stay in the
+        process's resident set, and the build's peak is meant to be one tensor."""
         nbytes = t.nbytes
         if nbytes is None:
             raise ConversionError(f"tensor {t.name}: unknown GGML type {t.ggml_type}")
-        return self._map[start : start + nbytes]
+        with open(self.header.path, "rb") as fh:
+            fh.seek(self.header.data_offset + t.offset)
+            data = np.frombuffer(fh.read(nbytes), dtype=np.uint8)
+        if len(data) != nbytes:
+            raise ConversionError(f"{self.header.path.name}: tensor {t.name} is cut short")
+        if t.name not in self.seen:
+            self.seen.add(t.name)
+            self._on_read()
+        return data
 
     def floats(self, t: TensorInfo) -> np.ndarray:
         """The tensor as float32 with numpy dims (outer first), dequantized when needed."""
@@ -142,7 +162,7 @@ class _Tensors:
 class _Graph:
     """Nodes and initializers as they are added; names made unique."""
 
-    def __init__(self) -> None:
+    def __init__(self, data: Any, data_name: str) -> None:
         from onnx import helper, numpy_helper
 
         self.helper = helper
@@ -150,13 +170,32 @@ class _Graph:
         self.nodes: list[Any] = []
         self.initializers: list[Any] = []
         self._count = 0
+        self._data = data  # the external-data file, written as constants arrive
+        self._data_name = data_name
 
     def name(self, stem: str) -> str:
         self._count += 1
         return f"{stem}_{self._count}"
 
     def const(self, name: str, value: np.ndarray) -> str:
-        self.initializers.append(self.numpy_helper.from_array(np.ascontiguousarray(value), name))
+        """A constant; large ones go straight to the external-data file, so the graph never
+        holds the weights (small ones stay inline: shape inference reads them)."""
+        value = np.ascontiguousarray(value)
+        if value.nbytes < _INLINE_BYTES:
+            self.initializers.append(self.numpy_helper.from_array(value, name))
+            return name
+        from onnx import TensorProto
+
+        offset = -(-self._data.tell() // _DATA_ALIGN) * _DATA_ALIGN
+        self._data.seek(offset)
+        self._data.write(value.tobytes())
+        tensor = TensorProto(name=name, dims=value.shape)
+        tensor.data_type = self.helper.np_dtype_to_tensor_dtype(value.dtype)
+        tensor.data_location = TensorProto.EXTERNAL
+        for key, v in (("location", self._data_name), ("offset", offset), ("length", value.nbytes)):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, str(v)
+        self.initializers.append(tensor)
         return name
 
     def node(
@@ -180,21 +219,38 @@ def build_onnx_from_gguf(
     src: str | Path,
     out_dir: str | Path,
     *,
+    quant: str = "keep",
     max_context: int | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> BuildReport:
     """Write ``model.onnx`` + ``model.onnx.data`` for the GGUF model ``src`` into ``out_dir``
-    (which must exist). Returns what was kept in blocks and what was widened."""
+    (which must exist). ``quant``: ``keep`` the file's blocks exactly (types without an exact
+    form are widened to floats), re-round every projection to symmetric ``int4``/``int8``
+    blocks, or widen everything to ``fp32``. ``on_progress(done, total)`` counts the GGUF's
+    tensors as they are written. Returns what was kept in blocks and what was widened."""
+    if quant not in QUANTS:
+        raise ConversionError(
+            f"the native builder writes --quant {', '.join(QUANTS)}, not {quant!r}"
+        )
+    out = Path(out_dir)
+    with open(out / "model.onnx.data", "wb") as data:
+        return _build(Path(src), out, data, quant, max_context, on_progress)
+
+
+def _build(
+    src: Path,
+    out: Path,
+    data: Any,
+    quant: str,
+    max_context: int | None,
+    on_progress: Callable[[int, int], None] | None,
+) -> BuildReport:
     import onnx
     from onnx import TensorProto
 
     header = read_gguf_header(src)
-    shape = _shape(header)
-    tensors = _Tensors(header)
-    context = min(max_context or shape.context, shape.context)
-    report = BuildReport(header.architecture, shape.layers, {}, {}, context)
-    g = _Graph()
-    total = 2 + shape.layers
+    shape = gguf_shape(header)
+    total = len(header.tensors)
     done = 0
 
     def progress() -> None:
@@ -202,6 +258,11 @@ def build_onnx_from_gguf(
         done += 1
         if on_progress is not None:
             on_progress(done, total)
+
+    tensors = _Tensors(header, progress)
+    context = min(max_context or shape.context, shape.context)
+    report = BuildReport(header.architecture, shape.layers, {}, {}, context)
+    g = _Graph(data, "model.onnx.data")
 
     def need(name: str) -> TensorInfo:
         t = tensors.info(name)
@@ -225,6 +286,10 @@ def build_onnx_from_gguf(
         return block_sums[x]
 
     def weights(t: TensorInfo) -> NBitsWeight | None:
+        if quant == "fp32":
+            return None
+        if quant in ("int4", "int8"):
+            return quantize_symmetric(tensors.floats(t), 4 if quant == "int4" else 8)
         if t.ggml_type in (F32, F16, BF16):
             return None
         k, n = t.shape[0], t.shape[1]
@@ -328,7 +393,9 @@ def build_onnx_from_gguf(
     # with a tied lm_head; other types as a float table
     embd = need("token_embd.weight")
     table = embd_blocks = None
-    if embd.ggml_type in (Q8_0, Q4_0):
+    if quant in ("int4", "int8"):
+        embd_blocks = quantize_symmetric(tensors.floats(embd), 4 if quant == "int4" else 8)
+    elif quant == "keep" and embd.ggml_type in (Q8_0, Q4_0):
         embd_blocks = transcode(embd.ggml_type, tensors.raw(embd), shape.vocab, shape.hidden)
     if embd_blocks is not None:
         packed = g.const("token_embd.qweight", embd_blocks.packed)
@@ -347,7 +414,6 @@ def build_onnx_from_gguf(
     else:
         table = g.const("token_embd.weight", tensors.floats(embd))
         x = g.node("Gather", [table, "input_ids"], axis=0)[0]
-    progress()
 
     for i in range(shape.layers):
         p = f"blk.{i}"
@@ -385,7 +451,6 @@ def build_onnx_from_gguf(
         silu = g.node("Mul", [gate, g.node("Sigmoid", [gate])[0]])[0]
         down = linear(g.node("Mul", [silu, up])[0], [need(f"{p}.ffn_down.weight")], f"{p}.ffn_down")
         x = g.node("Add", [x, down])[0]
-        progress()
 
     # the last position only, then the final norm and the vocabulary projection
     last = g.node(
@@ -422,7 +487,10 @@ def build_onnx_from_gguf(
     else:
         logits = linear(h, [head], "output")
     g.node_named("Identity", [logits], ["logits"])
-    progress()
+    for t in header.tensors:  # tensors the graph does not use (rope_freqs, ...) count as done
+        if t.name not in tensors.seen:
+            tensors.seen.add(t.name)
+            progress()
 
     graph = g.helper.make_graph(g.nodes, "edgeinfer-decoder", inputs, outputs, g.initializers)
     model = g.helper.make_model(
@@ -431,15 +499,7 @@ def build_onnx_from_gguf(
         producer_name="edgeinfer",
     )
     model.ir_version = 10
-    out = Path(out_dir)
-    onnx.save_model(
-        model,
-        str(out / "model.onnx"),
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location="model.onnx.data",
-        size_threshold=1024,  # small constants stay inline: shape inference reads them
-    )
+    onnx.save_model(model, str(out / "model.onnx"))  # the weights are already in the data file
     return report
 
 
@@ -449,36 +509,3 @@ def _rotary_cache(shape: Shape, context: int) -> tuple[np.ndarray, np.ndarray]:
     inv = 1.0 / (shape.rope_base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     angles = np.outer(np.arange(context, dtype=np.float64), inv)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-
-
-def write_native_folder(
-    src: str | Path,
-    folder: str | Path,
-    tokenizer_dir: str | Path,
-    *,
-    max_context: int | None = None,
-) -> BuildReport:
-    """A loadable model folder: the built graph, the tokenizer files of ``tokenizer_dir`` (a
-    Hugging Face folder of the same model) and an ``edgeinfer.json`` that declares the
-    shared KV cache. ``folder`` must exist and be empty."""
-    import dataclasses
-
-    from ..manifest import Manifest
-    from .onnx_export import write_model_folder
-    from .source import SourceCheckpoint, file_sha256
-
-    folder, src = Path(folder), Path(src)
-    report = build_onnx_from_gguf(src, folder, max_context=max_context)
-    source = SourceCheckpoint(Path(tokenizer_dir), "gguf", src, file_sha256([src]))
-    written = write_model_folder(Path(tokenizer_dir), folder, source, {"method": "gguf-blocks"})
-    arch = dataclasses.replace(
-        written.architecture, kv_cache="shared", max_context=report.max_context
-    )
-    manifest = dataclasses.replace(
-        written,
-        architecture=arch,
-        has_position_ids=False,
-        quantization={"method": "gguf-blocks", "nbits": report.nbits, "widened": report.widened},
-    )
-    Manifest.write(manifest, folder)
-    return report

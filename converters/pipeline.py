@@ -39,15 +39,19 @@ def convert(
     src: str | PathLike[str],
     out: str | PathLike[str],
     *,
-    to: str = "onnx",
+    to: str | None = None,
     quant: str | None = None,
     overwrite: bool = False,
     on_stage: StageCallback | None = None,
     **options: Any,
 ) -> ConversionResult:
     """Convert ``src`` (a .gguf file or a Hugging Face folder) into ``out``: an ONNX model
-    folder (``to="onnx"``, ``quant`` int8 by default) or one GGUF file (``to="gguf"``, f16 by
-    default; a GGUF ``src`` is quantized with llama.cpp's quantizer).
+    folder (``to="onnx"``) or one GGUF file (``to="gguf"``, f16 by default; a GGUF ``src`` is
+    quantized with llama.cpp's quantizer). ``to`` follows ``out``'s suffix when omitted.
+
+    A GGUF ``src`` goes to ONNX through the native builder (``builder="native"``, no torch):
+    ``quant="keep"`` (the default) keeps its blocks exactly. A Hugging Face folder goes
+    through optimum (``quant`` int8 by default).
 
     The result is validated against the source; below the thresholds in ``options``
     (``min_top1_agreement``, ``min_greedy_agreement``) ConversionError is raised and nothing is
@@ -67,6 +71,10 @@ def convert_with(cfg: ConvertConfig, *, on_stage: StageCallback | None = None) -
         from .gguf_pipeline import convert_gguf
 
         return convert_gguf(cfg, on_stage=on_stage)
+    if cfg.builder == "native":
+        from .native_pipeline import convert_native
+
+        return convert_native(cfg, on_stage=on_stage)
     from .onnx_export import export_onnx, quantize_onnx, write_model_folder
     from .source import check_source, checkpoint_from_gguf
     from .validate import validate_conversion

@@ -12,7 +12,8 @@ On a fixed set of prompts the source checkpoint (transformers, fp32) and the con
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,25 +51,42 @@ def validate_conversion(
     source: Path, folder: Path, manifest: Manifest, cfg: ConvertConfig
 ) -> dict[str, Any]:
     """Compare the checkpoint in ``source`` with the converted ONNX model in ``folder``."""
+    reference = TransformersReference(source)
+    with open_result(folder, manifest, cfg.threads) as model:
+        return compare(reference, model, cfg)
+
+
+@contextmanager
+def open_result(folder: Path, manifest: Manifest, threads: int | None) -> Iterator[Model]:
+    """The converted folder (still marked partial) as a Model on the CPU, context 256."""
     from edgeinfer.inventory import devices
     from edgeinfer.policy import plan_providers
     from edgeinfer.runtimes.onnxruntime import open_backend
 
-    reference = TransformersReference(source)
     cpu = plan_providers(devices(), "onnx", "cpu").candidates[0]  # validation runs on the CPU
-    config = LoadConfig(context_length=256, threads=cfg.threads)
-    backend = open_backend(folder, config, manifest, cpu)
+    backend = open_backend(folder, LoadConfig(context_length=256, threads=threads), manifest, cpu)
     model = Model(backend, name=folder.name, path=folder, model_format="onnx")
     try:
-        return compare(reference, model, cfg)
+        yield model
     finally:
         model.close()
 
 
-def compare(reference: Any, model: Model, cfg: ConvertConfig) -> dict[str, Any]:
+def compare(
+    reference: Any,
+    model: Model,
+    cfg: ConvertConfig,
+    *,
+    on_prompt: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
     """Compare ``model`` with ``reference`` (anything with ``run(ids, n, is_eos)`` returning
-    the greedy continuation and the next-token logits along it) on the fixed prompts."""
-    rows = [_compare(reference, model, p, cfg.validation_tokens) for p in VALIDATION_PROMPTS]
+    the greedy continuation and the next-token logits along it) on the fixed prompts;
+    ``on_prompt(i, n)`` before each."""
+    rows = []
+    for i, prompt in enumerate(VALIDATION_PROMPTS, 1):
+        if on_prompt is not None:
+            on_prompt(i, len(VALIDATION_PROMPTS))
+        rows.append(_compare(reference, model, prompt, cfg.validation_tokens))
     return _report(rows, cfg)
 
 

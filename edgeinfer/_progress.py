@@ -8,8 +8,11 @@ from typing import TextIO
 
 
 class Progress:
-    def __init__(self, label: str, total: int, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, label: str, total: int, stream: TextIO | None = None, *, unit: str = "bytes"
+    ) -> None:
         self._label = label
+        self._unit = unit
         self._total = max(total, 1)
         self._done = 0
         self._stream = stream if stream is not None else sys.stderr
@@ -26,8 +29,11 @@ class Progress:
     def _draw(self) -> None:
         frac = min(self._done / self._total, 1.0)
         bar = "#" * int(frac * 30)
-        mib = self._done / 2**20
-        self._stream.write(f"\r{self._label} [{bar:<30}] {frac:6.1%} {mib:8.1f} MiB")
+        if self._unit == "bytes":
+            count = f"{self._done / 2**20:8.1f} MiB"
+        else:
+            count = f"{self._done}/{self._total} {self._unit}"
+        self._stream.write(f"\r{self._label} [{bar:<30}] {frac:6.1%} {count}")
         self._stream.flush()
 
     def close(self) -> None:

@@ -140,28 +140,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_convert_parser(sub: Any) -> None:
-    from .converters.config import GGUF_QUANTS, ONNX_QUANTS
+    from .converters.config import BUILDERS, GGUF_QUANTS, ONNX_QUANTS
 
     p = sub.add_parser(
         "convert",
         help="export and quantize a model to ONNX or GGUF, validated against its source",
         description="Convert SRC (a .gguf file or a Hugging Face folder with safetensors) into "
-        "OUT: an ONNX model folder (--to onnx) or one GGUF file (--to gguf; a GGUF SRC is "
-        "quantized with llama.cpp's quantizer). The result is compared with the source on "
-        "fixed prompts; below the thresholds the conversion fails and OUT is not written. "
-        "GGUF results get a report beside them, OUT.json.",
+        "OUT: an ONNX model folder or one GGUF file. A GGUF SRC goes to ONNX through the native "
+        "builder (no torch; its blocks kept exactly, tokenizer.json written from the file's "
+        "vocabulary, both checked against llama.cpp on SRC); a Hugging Face folder through "
+        "optimum. The result is compared with the source on fixed prompts; below the "
+        "thresholds the conversion fails and OUT is not written. GGUF results get a report "
+        "beside them, OUT.json.",
     )
     p.add_argument("src", metavar="SRC", help=".gguf file or Hugging Face model folder")
     p.add_argument(
         "-o", "--output", required=True, metavar="OUT", help="output folder (ONNX) or file (GGUF)"
     )
-    p.add_argument("--to", default="onnx", choices=["onnx", "gguf"], help="target format")
+    p.add_argument(
+        "--to",
+        choices=["onnx", "gguf"],
+        help="target format (default: gguf when OUT ends in .gguf, else onnx)",
+    )
+    p.add_argument(
+        "--builder",
+        choices=list(BUILDERS),
+        help="ONNX from a GGUF: native (the default; contrib-operator graph, no torch) or "
+        "optimum (dequantize, export with torch, requantize; needs edgeinfer[convert]); a "
+        "Hugging Face folder always uses optimum",
+    )
     p.add_argument(
         "--quant",
         choices=[*ONNX_QUANTS, *(q for q in GGUF_QUANTS if q not in ONNX_QUANTS)],
-        help="ONNX: fp32; fp16 (GPU); int8 (dynamic, weights and activations; the default); "
-        "int8wo (8-bit weight-only); int4 (4-bit weight-only). GGUF: f32, f16 (the default), "
-        "bf16, q8_0 written directly; q4_0, q4_1, q5_k_m, q4_k_m, q6_k by llama.cpp",
+        help="native builder: keep (the default: the GGUF's blocks, lossless), int4, int8 "
+        "(re-rounded symmetric blocks), fp32. optimum: fp32; fp16 (GPU); int8 (dynamic, "
+        "weights and activations; its default); int8wo (8-bit weight-only); int4 (4-bit "
+        "weight-only). GGUF: f32, f16 (the default), bf16, q8_0 written directly; q4_0, "
+        "q4_1, q5_k_m, q4_k_m, q6_k by llama.cpp",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument(
@@ -169,13 +184,24 @@ def _add_convert_parser(sub: Any) -> None:
         action="store_true",
         help="accept .bin/.pt pickle weights (they can run code: trusted files only)",
     )
-    p.add_argument("--int4-block-size", type=int, default=32, metavar="N")
-    p.add_argument("--int4-symmetric", action="store_true", help="symmetric int4 blocks")
+    p.add_argument(
+        "--int4-block-size",
+        type=int,
+        default=32,
+        metavar="N",
+        help="optimum int4: weights per quantization block, 16/32/64/128/256 (default: 32)",
+    )
+    p.add_argument(
+        "--int4-symmetric",
+        action="store_true",
+        help="optimum int4: symmetric blocks (default: asymmetric, with zero points)",
+    )
     p.add_argument(
         "--int4-accuracy-level",
         type=int,
         metavar="L",
-        help="ORT MatMulNBits compute: 1 fp32, 2 fp16, 3 bf16, 4 int8",
+        help="optimum int4: MatMulNBits compute, 1 fp32, 2 fp16, 3 bf16, 4 int8 (default: "
+        "onnxruntime's, unset)",
     )
     p.add_argument(
         "--min-top1",
@@ -191,7 +217,12 @@ def _add_convert_parser(sub: Any) -> None:
         metavar="X",
         help="least greedy-continuation agreement (default: 0.60)",
     )
-    p.add_argument("--threads", type=int, metavar="N", help="threads for export and checks")
+    p.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="threads for export and checks (default: the engines' own choice)",
+    )
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -297,6 +328,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         src=args.src,
         out=args.output,
         to=args.to,
+        builder=args.builder,
         quant=args.quant,
         overwrite=args.overwrite,
         allow_pickle=args.allow_pickle,

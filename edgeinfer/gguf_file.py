@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,7 +216,9 @@ class _Cursor:
             return self.array()
         raise self.corrupt(f"unknown metadata value type {value_type}")
 
-    def array(self) -> list[Any] | ArrayInfo:
+    def array(self, *, whole: bool = False) -> list[Any] | ArrayInfo:
+        """An array's elements; past _MAX_ARRAY_KEPT only its type and length unless
+        ``whole`` (the vocabulary a converter reads)."""
         element_type = self.unpack("<I")
         length = self.unpack("<Q")
         if element_type == _ARRAY:  # llama.cpp refuses them too
@@ -225,7 +228,13 @@ class _Cursor:
         # every element takes at least this many bytes: a huge length fails here, at once
         smallest = 8 if element_type == _STRING else struct.calcsize(_SCALAR_FORMATS[element_type])
         self._need(length * smallest)
-        if length <= _MAX_ARRAY_KEPT:
+        if whole and element_type in _SCALAR_FORMATS:
+            fmt = _SCALAR_FORMATS[element_type]
+            nbytes = length * struct.calcsize(fmt)
+            values = struct.unpack_from(f"<{length}{fmt[1:]}", self._buf, self.pos)
+            self.pos += nbytes
+            return list(values)
+        if length <= _MAX_ARRAY_KEPT or whole:
             return [self.value(element_type) for _ in range(length)]
         if element_type in _SCALAR_FORMATS:
             nbytes = length * struct.calcsize(_SCALAR_FORMATS[element_type])
@@ -237,8 +246,9 @@ class _Cursor:
         return ArrayInfo(element_type, length)
 
 
-def read_gguf_header(path: str | Path) -> GGUFHeader:
-    """Parse a GGUF file's header and tensor table; raise ModelLoadError if it is not one."""
+def read_gguf_header(path: str | Path, *, whole_arrays: Collection[str] = ()) -> GGUFHeader:
+    """Parse a GGUF file's header and tensor table; raise ModelLoadError if it is not one.
+    Long arrays are kept as ArrayInfo, except those named in ``whole_arrays``."""
     path = Path(path)
     try:
         with path.open("rb") as fh:
@@ -246,12 +256,14 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
             if file_size < 24:
                 raise ModelLoadError(f"{path}: too small to be a GGUF model ({file_size} bytes)")
             with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                return _parse(buf, path, file_size)
+                return _parse(buf, path, file_size, frozenset(whole_arrays))
     except OSError as exc:
         raise ModelLoadError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
 
-def _parse(buf: mmap.mmap, path: Path, file_size: int) -> GGUFHeader:
+def _parse(
+    buf: mmap.mmap, path: Path, file_size: int, whole: frozenset[str] = frozenset()
+) -> GGUFHeader:
     if buf[:4] != GGUF_MAGIC:
         raise ModelLoadError(
             f"{path}: not a GGUF file (starts with {bytes(buf[:4])!r}, expected b'GGUF')"
@@ -266,7 +278,7 @@ def _parse(buf: mmap.mmap, path: Path, file_size: int) -> GGUFHeader:
     # a key takes >= 12 bytes, a tensor entry >= 24: larger counts cannot fit in the file
     if n_tensors * 24 > file_size or n_kv * 12 > file_size:
         raise cur.corrupt(f"{n_tensors:,} tensors and {n_kv:,} keys cannot fit in the file")
-    metadata = _read_metadata(cur, n_kv)
+    metadata = _read_metadata(cur, n_kv, whole)
     alignment = _alignment(cur, metadata)
     tensors = _read_tensor_table(cur, n_tensors, alignment)
     data_offset = -(-cur.pos // alignment) * alignment
@@ -275,13 +287,17 @@ def _parse(buf: mmap.mmap, path: Path, file_size: int) -> GGUFHeader:
     return header
 
 
-def _read_metadata(cur: _Cursor, n_kv: int) -> dict[str, Any]:
+def _read_metadata(cur: _Cursor, n_kv: int, whole: frozenset[str]) -> dict[str, Any]:
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = cur.name("key")
         if key in metadata:
             raise cur.corrupt(f"key {key!r} appears twice")
-        metadata[key] = cur.value(cur.unpack("<I"))
+        value_type = cur.unpack("<I")
+        if value_type == _ARRAY and key in whole:
+            metadata[key] = cur.array(whole=True)
+        else:
+            metadata[key] = cur.value(value_type)
     _check_known_values(cur, metadata)
     return metadata
 

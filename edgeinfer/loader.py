@@ -8,6 +8,7 @@ and imported only then.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 from dataclasses import dataclass
 from os import PathLike
@@ -16,7 +17,7 @@ from typing import Any
 
 from . import catalog
 from .config import LoadConfig
-from .errors import InvalidRequestError, ModelLoadError
+from .errors import BackendUnavailableError, InvalidRequestError, ModelLoadError
 from .gguf_file import GGUF_MAGIC, read_gguf_header
 from .inventory import devices
 from .manifest import MANIFEST_NAME, PARTIAL_MARKER, Manifest
@@ -84,6 +85,8 @@ def load(
         flash_attention=flash_attention,
     )
     source = resolve(model)
+    if _catalog_gguf(model, source) and _onnx_route(device):
+        source = transcoded_catalog_model(source)
     shape = shape_of(source)
     memory = plan_memory(
         shape,
@@ -113,6 +116,79 @@ def load(
         memory_plan=fit.plan,
         context_overflow=context_overflow,
     )
+
+
+_GGUF_DEVICES = ("auto", "cpu", "cuda", "metal", "gpu")  # the rest are ONNX Runtime's
+
+
+def llama_cpp_installed() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def _catalog_gguf(model: str | PathLike[str], source: ModelSource) -> bool:
+    text = str(model)
+    return (
+        source.format == "gguf"
+        and catalog.lookup(text) is not None
+        and not Path(text).expanduser().exists()
+    )
+
+
+def _onnx_route(device: str) -> bool:
+    """A catalog GGUF runs through ONNX Runtime when llama.cpp is not installed, or when the
+    device is one only ONNX Runtime drives (an NPU, DirectML, a named provider)."""
+    if not llama_cpp_installed():
+        return True
+    return _normalise_device(device) not in _GGUF_DEVICES
+
+
+def _normalise_device(device: str) -> str:
+    from .policy import _normalise
+
+    return _normalise(device)
+
+
+def transcoded_catalog_model(source: ModelSource) -> ModelSource:
+    """The catalog GGUF ``source`` as an ONNX folder of the native builder (its blocks kept
+    exactly), made once under ``$EDGEINFER_HOME/derived`` and reused."""
+    folder = native_folder_for(source)
+    if not (folder / MANIFEST_NAME).is_file() or (folder / PARTIAL_MARKER).exists():
+        logger.warning(
+            "%s: building its ONNX graph once into %s (native builder, blocks kept)",
+            source.name,
+            folder,
+        )
+        _build_native(source.path, folder)
+    return ModelSource(source.name, folder, "onnx", Manifest.read(folder))
+
+
+def native_folder_for(source: ModelSource) -> Path:
+    """Where the catalog model ``source`` is transcoded: keyed by its checked sha256."""
+    entry = catalog.lookup(source.name)
+    if entry is None or entry.sha256 is None:
+        raise ModelLoadError(f"{source.name} is not a catalog model with a known checksum")
+    name = f"{entry.sha256[:16]}-native-v{_NATIVE_FORMAT}"
+    return catalog.edgeinfer_home() / "derived" / name
+
+
+_NATIVE_FORMAT = 1  # bump when the builder's output changes, so old folders are rebuilt
+
+
+def _build_native(src: Path, folder: Path) -> None:
+    try:
+        from .converters.atomic import atomic_output_dir
+        from .converters.native_pipeline import write_gguf_folder
+    except ImportError as exc:  # pragma: no cover - the package ships both
+        raise ModelLoadError(f"the native ONNX builder is not available: {exc}") from exc
+    if importlib.util.find_spec("onnx") is None:
+        raise BackendUnavailableError(
+            "running a GGUF catalog model through ONNX Runtime builds its graph once, which "
+            "needs the onnx package: pip install 'edgeinfer[onnx]' (or install llama.cpp: "
+            "pip install 'edgeinfer[gguf]')"
+        )
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_output_dir(folder, overwrite=True) as partial:
+        write_gguf_folder(src, partial)
 
 
 def resolve(model: str | PathLike[str]) -> ModelSource:

@@ -369,13 +369,11 @@ def test_absurd_sizes_are_invalid_not_a_crash() -> None:
 
 @pytest.mark.model
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM is Linux's")
-def test_native_onnx_peak_rss_stays_within_the_budget(
-    default_gguf: Path, default_checkpoint: Path, tmp_path: Path
-) -> None:
+def test_native_onnx_peak_rss_stays_within_the_budget(default_gguf: Path, tmp_path: Path) -> None:
     pytest.importorskip("onnx")
-    from edgeinfer.converters.onnx_builder import write_native_folder
+    from edgeinfer.converters.native_pipeline import write_gguf_folder
 
     folder = tmp_path / "native"
     folder.mkdir()
-    write_native_folder(default_gguf, folder, default_checkpoint, max_context=2048)
+    write_gguf_folder(default_gguf, folder, max_context=2048)
     _check_peaks(folder, 2, extra=64 * MB)

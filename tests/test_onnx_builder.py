@@ -69,13 +69,13 @@ def test_f32_gguf_graph_matches_llama_cpp(tiny_llama_gguf: Path, tmp_path: Path)
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> None:
-    from edgeinfer.converters.onnx_builder import _shape
+    from edgeinfer.converters.onnx_builder import gguf_shape
     from edgeinfer.errors import ConversionError
     from edgeinfer.gguf_file import GGUFHeader
 
     header = GGUFHeader(tmp_path / "m.gguf", 3, 0, 0, {"general.architecture": "mamba"}, ())
     with pytest.raises(ConversionError, match=r"'mamba' is not supported .*supported: llama"):
-        _shape(header)
+        gguf_shape(header)
 
 
 @pytest.mark.model
@@ -113,13 +113,13 @@ def test_default_gguf_keeps_its_blocks_and_answers_like_llama_cpp(
 
 
 def test_native_folder_loads_and_generates_like_llama_cpp(
-    tiny_llama_gguf: Path, tiny_hf: Path, tmp_path: Path
+    tiny_llama_gguf: Path, tmp_path: Path
 ) -> None:
-    from edgeinfer.converters.onnx_builder import write_native_folder
+    from edgeinfer.converters.native_pipeline import write_gguf_folder
 
     folder = tmp_path / "native"
     folder.mkdir()
-    write_native_folder(tiny_llama_gguf, folder, tiny_hf, max_context=256)
+    write_gguf_folder(tiny_llama_gguf, folder, max_context=256)
     prompt, steps = [1, 5, 9, 200, 17, 33, 4, 250], [7, 99, 3]
     want = _reference_logits(tiny_llama_gguf, prompt, steps)
     with edgeinfer.load(folder, context_length=256, threads=1) as model:

@@ -1,0 +1,250 @@
+"""GGUF -> ONNX through the native builder: the tokenizer written from the GGUF gives
+llama.cpp's ids, `edgeinfer convert` picks the builder and the target by itself, every
+--quant the builder writes loads and answers, and a catalog GGUF runs through ONNX Runtime
+without llama.cpp."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import edgeinfer
+from edgeinfer import catalog
+from edgeinfer.cli import main as cli_main
+from edgeinfer.converters.config import ConvertConfig
+from edgeinfer.errors import ConversionError
+from edgeinfer.gguf_file import read_gguf_header
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnx")
+pytest.importorskip("tokenizers")
+
+TEXTS = (
+    "Hello world! The quick brown fox, 1234567 apples; Café naïve résumé crème brûlée.",
+    "你好\uff0c世界。こんにちは、世界\uff01 Emoji: 🙂🎉🍎",
+    " leading space, tabs\tand\nnew lines  double   spaces\n\n\n",
+    "don't I'LL we've 3.14159 -42 x=y+1",
+    "",
+)
+
+
+def _llama_ids(gguf: Path, text: str) -> list[int]:
+    from edgeinfer.runtimes.llama_cpp import _engine
+
+    llama_cpp, _ = _engine()
+    ref = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
+    try:
+        return list(ref.tokenize(text.encode("utf-8"), add_bos=True, special=True))
+    finally:
+        ref.close()
+
+
+def _check_vocabulary(gguf: Path, tmp_path: Path, extra: tuple[str, ...] = ()) -> None:
+    from tokenizers import Tokenizer
+
+    from edgeinfer.converters.gguf_vocab import read_gguf_vocabulary, write_tokenizer_files
+
+    pytest.importorskip("llama_cpp")
+    vocab = read_gguf_vocabulary(gguf)
+    write_tokenizer_files(vocab, tmp_path)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    for text in (*TEXTS, *extra):
+        assert tok.encode(text).ids == _llama_ids(gguf, text), text
+
+
+def test_bpe_vocabulary_gives_llama_cpp_ids(tiny_llama_gguf: Path, tmp_path: Path) -> None:
+    _check_vocabulary(tiny_llama_gguf, tmp_path)
+
+
+def test_sentencepiece_vocabulary_gives_llama_cpp_ids(
+    tiny_gemma_gguf: Path, tmp_path: Path
+) -> None:
+    from edgeinfer.converters.gguf_vocab import read_gguf_vocabulary
+
+    vocab = read_gguf_vocabulary(tiny_gemma_gguf)
+    assert vocab.model == "llama" and vocab.scores  # SentencePiece: pieces merge by score
+    turn = "<start_of_turn>user\nhello<end_of_turn>\n<start_of_turn>model\n"
+    _check_vocabulary(tiny_gemma_gguf, tmp_path, extra=(turn, "<table> after a marker"))
+
+
+@pytest.mark.model
+def test_default_model_vocabulary_gives_llama_cpp_ids(default_gguf: Path, tmp_path: Path) -> None:
+    chat = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    _check_vocabulary(default_gguf, tmp_path, extra=(chat,))
+
+
+def test_vocabulary_of_an_unknown_kind_is_refused(tmp_path: Path) -> None:
+    from edgeinfer.converters.gguf_vocab import read_gguf_vocabulary
+
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "rwkv.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("rwkv")
+    writer.add_token_list(["a", "b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ConversionError, match=r"tokenizer model 'rwkv'.*Hugging Face folder"):
+        read_gguf_vocabulary(path)
+
+
+# -- the settings ---------------------------------------------------------------------------
+
+
+def test_target_and_builder_follow_the_paths(tiny_llama_gguf: Path, tiny_hf: Path) -> None:
+    cfg = ConvertConfig(tiny_llama_gguf, Path("out"))
+    assert (cfg.to, cfg.builder, cfg.quant) == ("onnx", "native", "keep")
+    cfg = ConvertConfig(tiny_llama_gguf, Path("small.GGUF"), quant="q8_0")
+    assert (cfg.to, cfg.builder) == ("gguf", None)
+    cfg = ConvertConfig(tiny_hf, Path("out"))
+    assert (cfg.to, cfg.builder, cfg.quant) == ("onnx", "optimum", "int8")
+    cfg = ConvertConfig(tiny_llama_gguf, Path("out"), builder="optimum")
+    assert cfg.quant == "int8"
+    with pytest.raises(ConversionError, match="native ONNX builder reads GGUF files"):
+        ConvertConfig(tiny_hf, Path("out"), builder="native")
+    with pytest.raises(ConversionError, match=r"'keep' is not written by ONNX.*native builder"):
+        ConvertConfig(tiny_hf, Path("out"), quant="keep")
+    with pytest.raises(ConversionError, match="'int8wo' is not written by the native"):
+        ConvertConfig(tiny_llama_gguf, Path("out"), quant="int8wo")
+    with pytest.raises(ConversionError, match="--builder applies to --to onnx only"):
+        ConvertConfig(tiny_llama_gguf, Path("x.gguf"), builder="native")
+
+
+def test_convert_help_names_every_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli_main(["convert", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "gguf when OUT ends in .gguf, else onnx" in text
+    assert "keep (the default: the GGUF's blocks, lossless)" in text
+    assert "native (the default" in text
+    assert "--int4-block-size N optimum int4: weights per quantization block" in text
+
+
+# -- the conversion -------------------------------------------------------------------------
+
+
+def test_cli_converts_a_gguf_natively_with_progress(
+    tiny_llama_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("llama_cpp")
+    out = tmp_path / "native"
+    assert cli_main(["convert", str(tiny_llama_gguf), "-o", str(out), "--threads", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "native builder" in err
+    n = len(read_gguf_header(tiny_llama_gguf).tensors)
+    assert f"tensors written: {n}/{n}" in err
+    assert "prompt 8/8" in err
+    manifest = json.loads((out / "edgeinfer.json").read_text())
+    assert manifest["quantization"]["builder"] == "native"
+    assert manifest["architecture"]["kv_cache"] == "shared"
+    report = manifest["validation"]
+    assert report["passed"] and report["reference"].endswith("through llama.cpp")
+    assert report["tokenizer_check"]["checked_against"] == "llama.cpp"
+    # the f32 source is kept as floats: the graph gives llama.cpp's greedy answer
+    assert report["top1_agreement"] >= 0.95
+    assert not list(tmp_path.glob(".native.partial*"))
+
+
+@pytest.mark.parametrize("quant", ["keep", "fp32", "int8", "int4"])
+def test_every_native_quant_loads_and_answers(
+    tiny_llama_gguf: Path, tmp_path: Path, quant: str
+) -> None:
+    from edgeinfer.converters.native_pipeline import write_gguf_folder
+
+    folder = tmp_path / quant
+    folder.mkdir()
+    _, report = write_gguf_folder(tiny_llama_gguf, folder, quant=quant, max_context=128)
+    # the tiny model's f32 weights stay floats unless int8/int4 re-round them
+    kinds = {"keep": set(), "fp32": set(), "int8": {"8-bit/32"}, "int4": {"4-bit/32"}}
+    assert set(report.nbits) == kinds[quant]
+    with edgeinfer.load(folder, context_length=128, threads=1) as model:
+        logits = model._backend.prefill(model.tokenize("Hello world"))
+        model._backend.rewind(0)
+        result = model.generate("Hello", max_new_tokens=4, temperature=0)
+    assert np.isfinite(logits).all()
+    assert len(result.token_ids) >= 1
+
+
+def test_native_build_rejects_a_quant_it_does_not_write(
+    tiny_llama_gguf: Path, tmp_path: Path
+) -> None:
+    from edgeinfer.converters.onnx_builder import build_onnx_from_gguf
+
+    with pytest.raises(ConversionError, match="keep, int4, int8, fp32"):
+        build_onnx_from_gguf(tiny_llama_gguf, tmp_path, quant="fp16")
+
+
+@pytest.mark.model
+def test_default_gguf_converts_without_torch(default_gguf: Path, tmp_path: Path) -> None:
+    """The whole `edgeinfer convert` of the default GGUF in a fresh interpreter: no torch,
+    transformers or optimum imported; the answer is still Paris."""
+    pytest.importorskip("llama_cpp")
+    out = tmp_path / "smollm2-onnx"
+    code = textwrap.dedent(
+        f"""
+        import json, resource, sys
+        from edgeinfer.cli import main
+        rc = main(["convert", {str(default_gguf)!r}, "-o", {str(out)!r}, "--threads", "2"])
+        heavy = [m for m in ("torch", "transformers", "optimum") if m in sys.modules]
+        print(json.dumps({{"rc": rc, "heavy": heavy}}))
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    done = json.loads(run.stdout.strip().splitlines()[-1])
+    assert done == {"rc": 0, "heavy": []}
+    report = json.loads((out / "edgeinfer.json").read_text())["validation"]
+    assert report["passed"]
+    with edgeinfer.load(out, context_length=256, threads=2) as model:
+        answer = model.generate("The capital of France is", max_new_tokens=4, temperature=0)
+    assert "Paris" in answer.text
+
+
+# -- a catalog GGUF without llama.cpp -------------------------------------------------------
+
+_WITHOUT_LLAMA_CPP = """
+import importlib.abc, importlib.util, sys
+class _Blocked(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "llama_cpp":
+            raise ImportError("llama_cpp is blocked for this test")
+_find = importlib.util.find_spec
+def _find_spec(name, *args, **kwargs):
+    return None if name.split(".")[0] == "llama_cpp" else _find(name, *args, **kwargs)
+importlib.util.find_spec = _find_spec
+sys.meta_path.insert(0, _Blocked())
+from edgeinfer.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.model
+def test_catalog_model_runs_through_onnx_without_llama_cpp(
+    default_gguf: Path, tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    entry = catalog.CATALOG[catalog.DEFAULT_MODEL]
+    here = catalog.local_path(entry)
+    (home / "models" / here.parent.name).mkdir()
+    (home / "models" / here.parent.name / here.name).symlink_to(default_gguf)
+    env = {**os.environ, "EDGEINFER_HOME": str(home)}
+    argv = [sys.executable, "-c", _WITHOUT_LLAMA_CPP, "run", catalog.DEFAULT_MODEL]
+    argv += ["-p", "The capital of France is", "-n", "6", "--temperature", "0", "--threads", "2"]
+    first = subprocess.run(argv, capture_output=True, text=True, env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "building its ONNX graph once" in first.stderr
+    assert "Paris" in first.stdout
+    derived = list((home / "derived").glob("*-native-v*"))
+    assert len(derived) == 1 and (derived[0] / "edgeinfer.json").is_file()
+    again = subprocess.run(argv, capture_output=True, text=True, env=env)
+    assert again.returncode == 0 and "building" not in again.stderr  # made once, reused
+    assert again.stdout == first.stdout
