@@ -75,13 +75,16 @@ class ConvertConfig:
         else:
             allowed = GGUF_QUANTS
         if self.quant not in allowed:
-            what = "the native ONNX builder" if self.builder == "native" else str(self.to).upper()
+            what = (
+                "written by the native ONNX builder"
+                if self.builder == "native"
+                else ("an ONNX quantization" if self.to == "onnx" else "a GGUF quantization")
+            )
             hint = (
                 " (keep is the native builder's, for a GGUF source)" if self.quant == "keep" else ""
             )
             raise ConversionError(
-                f"--quant {self.quant!r} is not written by {what}; use one of "
-                f"{', '.join(allowed)}{hint}"
+                f"--quant {self.quant!r} is not {what}; use one of {', '.join(allowed)}{hint}"
             )
         if self.int4_block_size not in (16, 32, 64, 128, 256):
             raise ConversionError("int4 block size must be 16, 32, 64, 128 or 256")

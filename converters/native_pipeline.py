@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 def write_gguf_folder(
-    src: Path,
-    folder: Path,
+    src: str | Path,
+    folder: str | Path,
     *,
     quant: str = "keep",
     max_context: int | None = None,
@@ -34,6 +34,7 @@ def write_gguf_folder(
 ) -> tuple[Manifest, BuildReport]:
     """Fill the existing, empty ``folder`` with the graph of the GGUF ``src``, its
     ``tokenizer.json`` and chat template, and ``edgeinfer.json``."""
+    src, folder = Path(src), Path(folder)
     vocab = read_gguf_vocabulary(src)  # before the graph: a refused vocabulary costs nothing
     report = build_onnx_from_gguf(
         src, folder, quant=quant, max_context=max_context, on_progress=on_progress

@@ -271,18 +271,18 @@ def _build(
         return t
 
     block_sums: dict[str, str] = {}  # input -> its sums over 32-wide blocks
+    summers: dict[int, str] = {}  # k -> the 0/1 matrix [k, k / 32] that sums blocks
 
     def sums_of(x: str, k: int) -> str:
-        if x not in block_sums:
+        """x's sums over 32-wide blocks of its last axis: one MatMul with a 0/1 matrix (one
+        node is cheaper per decode step than Reshape + ReduceSum)."""
+        if k not in summers:
             blocks = k // OFFSET_BLOCK
-            x4 = g.node(
-                "Reshape",
-                [
-                    x,
-                    g.const(g.name("blk_shape"), np.array([1, -1, blocks, OFFSET_BLOCK], np.int64)),
-                ],
-            )[0]
-            block_sums[x] = g.node("ReduceSum", [x4, axis_last], keepdims=0)[0]
+            ones = np.zeros((k, blocks), np.float32)
+            ones[np.arange(k), np.arange(k) // OFFSET_BLOCK] = 1.0
+            summers[k] = g.const(f"block_sum_{k}", ones)
+        if x not in block_sums:
+            block_sums[x] = g.node("MatMul", [x, summers[k]])[0]
         return block_sums[x]
 
     def weights(t: TensorInfo) -> NBitsWeight | None:
@@ -352,6 +352,18 @@ def _build(
             "SimplifiedLayerNormalization", [x, w], axis=-1, epsilon=shape.eps, stash_type=1
         )[0]
 
+    def add_rms(residual: str, y: str, name: str) -> tuple[str, str]:
+        """(RMSNorm(residual + y), residual + y) in one node."""
+        w = g.const(name, tensors.floats(need(name)))
+        normed, _, _, total = g.node(
+            "SkipSimplifiedLayerNormalization",
+            [residual, y, w],
+            n_out=4,
+            domain="com.microsoft",
+            epsilon=shape.eps,
+        )
+        return normed, total
+
     # inputs
     inputs = [
         g.helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "sequence_length"]),
@@ -384,7 +396,6 @@ def _build(
     mask_shape = g.node("Shape", ["attention_mask"])[0]
     total_len = g.node("Gather", [mask_shape, g.const("idx1", np.array(1, np.int64))], axis=0)[0]
     total_len32 = g.node("Cast", [total_len], to=TensorProto.INT32)[0]
-    axis_last = g.const("axis_last", np.array([-1], np.int64))
     halves = g.const("ffn_halves", np.array([shape.ffn, shape.ffn], np.int64))
     cos, sin = _rotary_cache(shape, context)
     cos_name, sin_name = g.const("cos_cache", cos), g.const("sin_cache", sin)
@@ -415,9 +426,13 @@ def _build(
         table = g.const("token_embd.weight", tensors.floats(embd))
         x = g.node("Gather", [table, "input_ids"], axis=0)[0]
 
+    down = ""  # the previous layer's MLP output, joined to the residual by the next norm
     for i in range(shape.layers):
         p = f"blk.{i}"
-        h = rms(x, f"{p}.attn_norm.weight")
+        if i == 0:
+            h = rms(x, f"{p}.attn_norm.weight")
+        else:
+            h, x = add_rms(x, down, f"{p}.attn_norm.weight")
         qkv = linear(h, [need(f"{p}.attn_{w}.weight") for w in ("q", "k", "v")], f"{p}.attn_qkv")
         attn = g.name(f"{p}.attn")
         g.node_named(
@@ -442,15 +457,14 @@ def _build(
             rotary_interleaved=1,
         )
         o = linear(attn, [need(f"{p}.attn_output.weight")], f"{p}.attn_output")
-        x = g.node("Add", [x, o])[0]
-        h = rms(x, f"{p}.ffn_norm.weight")
+        h, x = add_rms(x, o, f"{p}.ffn_norm.weight")
         gate_up = linear(
             h, [need(f"{p}.ffn_gate.weight"), need(f"{p}.ffn_up.weight")], f"{p}.ffn_gate_up"
         )
         gate, up = g.node("Split", [gate_up, halves], n_out=2, axis=-1)
         silu = g.node("Mul", [gate, g.node("Sigmoid", [gate])[0]])[0]
         down = linear(g.node("Mul", [silu, up])[0], [need(f"{p}.ffn_down.weight")], f"{p}.ffn_down")
-        x = g.node("Add", [x, down])[0]
+    x = g.node("Add", [x, down])[0]  # the last layer's MLP output
 
     # the last position only, then the final norm and the vocabulary projection
     last = g.node(

@@ -18,6 +18,7 @@ from typing import Any
 from . import catalog
 from .config import LoadConfig
 from .errors import BackendUnavailableError, InvalidRequestError, ModelLoadError
+from .genai_folder import GENAI_CONFIG, manifest_from_genai_folder
 from .gguf_file import GGUF_MAGIC, read_gguf_header
 from .inventory import devices
 from .manifest import MANIFEST_NAME, PARTIAL_MARKER, Manifest
@@ -207,6 +208,8 @@ def resolve(model: str | PathLike[str]) -> ModelSource:
         )
     if path.is_dir() and ((path / MANIFEST_NAME).exists() or (path / PARTIAL_MARKER).exists()):
         return ModelSource(path.name, path, "onnx", Manifest.read(path))
+    if path.is_dir() and (path / GENAI_CONFIG).is_file():  # onnxruntime-genai's builder
+        return ModelSource(path.name, path, "onnx", manifest_from_genai_folder(path))
     if path.is_dir():
         path = _model_in_folder(path)
     return _inspect_file(path, name=path.name)

@@ -93,6 +93,9 @@ class OrtBackend:
         self._last_only = len(logits_dims) == 3 and logits_dims[1] == 1
         self._binding = self._session.io_binding()
         self._decode_logits = np.empty((1, 1, arch.vocab_size), dtype=np.float32)
+        # shared cache and one logits buffer: everything but the ids and the mask is bound
+        # once and stays bound (decoding then costs two bindings per token, not 2 + 2 * layers)
+        self._static_bound = False
         self._past: list[Any] = []
         self._n_past = 0
         if self._shared:  # one buffer per cache tensor, the whole context, allocated once
@@ -232,16 +235,44 @@ class OrtBackend:
             raise EdgeInferError("the model is closed; load it again")
         binding, n = self._binding, len(ids)
         total = self._n_past + n
-        binding.clear_binding_inputs()
-        binding.clear_binding_outputs()
+        one_buffer = n == 1 or self._last_only
+        if self._shared and one_buffer:
+            self._bind_static()
+        else:
+            self._static_bound = False
+            binding.clear_binding_inputs()
+            binding.clear_binding_outputs()
+            self._bind_cache_and_logits(one_buffer)
         binding.bind_cpu_input("input_ids", np.array([ids], dtype=np.int64))
         binding.bind_cpu_input("attention_mask", np.ones((1, total), dtype=np.int64))
         if self._has_position_ids:
             positions = np.arange(self._n_past, total, dtype=np.int64)[None, :]
             binding.bind_cpu_input("position_ids", positions)
+        try:
+            self._session.run_with_iobinding(binding)
+        except Exception as exc:  # onnxruntime's own error types
+            raise BackendUnavailableError(f"onnxruntime failed to run the model: {exc}") from exc
+        self._n_past = total
+        if self._shared and one_buffer:  # nothing bound was allocated by the run
+            return self._decode_logits[0, -1]
+        outputs = binding.get_outputs()  # logits first, then present.*
+        if not self._shared:
+            self._past = list(outputs[1:])  # present.* become the next step's past
+        if one_buffer:
+            return self._decode_logits[0, -1]
+        return outputs[0].numpy()[0, -1]  # [vocab]: the last position only
+
+    def _bind_static(self) -> None:
+        if not self._static_bound:
+            self._binding.clear_binding_inputs()
+            self._binding.clear_binding_outputs()
+            self._bind_cache_and_logits(True)
+            self._static_bound = True
+
+    def _bind_cache_and_logits(self, one_buffer: bool) -> None:
+        binding = self._binding
         for name, value in zip(self._past_names, self._past, strict=True):
             binding.bind_ortvalue_input(name, value)
-        one_buffer = n == 1 or self._last_only
         if one_buffer:  # logits land in one preallocated buffer
             binding.bind_output(
                 "logits",
@@ -259,19 +290,6 @@ class OrtBackend:
         else:
             for name in self._present_names:
                 binding.bind_output(name, "cpu")
-        try:
-            self._session.run_with_iobinding(binding)
-        except Exception as exc:  # onnxruntime's own error types
-            raise BackendUnavailableError(f"onnxruntime failed to run the model: {exc}") from exc
-        self._n_past = total
-        if self._shared and one_buffer:  # nothing bound was allocated by the run
-            return self._decode_logits[0, -1]
-        outputs = binding.get_outputs()  # logits first, then present.*
-        if not self._shared:
-            self._past = list(outputs[1:])  # present.* become the next step's past
-        if one_buffer:
-            return self._decode_logits[0, -1]
-        return outputs[0].numpy()[0, -1]  # [vocab]: the last position only
 
     def rewind(self, n: int) -> None:
         if not 0 <= n <= self._n_past:

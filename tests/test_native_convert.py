@@ -110,7 +110,7 @@ def test_target_and_builder_follow_the_paths(tiny_llama_gguf: Path, tiny_hf: Pat
     assert cfg.quant == "int8"
     with pytest.raises(ConversionError, match="native ONNX builder reads GGUF files"):
         ConvertConfig(tiny_hf, Path("out"), builder="native")
-    with pytest.raises(ConversionError, match=r"'keep' is not written by ONNX.*native builder"):
+    with pytest.raises(ConversionError, match=r"'keep' is not an ONNX quantization.*native"):
         ConvertConfig(tiny_hf, Path("out"), quant="keep")
     with pytest.raises(ConversionError, match="'int8wo' is not written by the native"):
         ConvertConfig(tiny_llama_gguf, Path("out"), quant="int8wo")

@@ -90,6 +90,8 @@ def test_cli_converts_the_gguf_and_runs_it(default_gguf: Path, tmp_path: Path) -
             str(out),
             "--to",
             "onnx",
+            "--builder",
+            "optimum",
             "--quant",
             "fp32",
         ],
