@@ -13,9 +13,10 @@ cache in past/present: bound to one buffer of the planned context, GQA writes in
 output projection -> residual -> RMSNorm -> SiLU-gated MLP -> residual. Projections whose GGUF
 blocks map exactly onto ``MatMulNBits`` (``gguf_blocks``) keep their blocks, with the offset
 term for types with a minimum; float weights use ``MatMul``. llama.cpp's Llama Q/K rows are
-stored for rotation of adjacent pairs, so GQA rotates interleaved.
+stored for rotation of adjacent pairs, so GQA rotates interleaved for them.
 
-This module covers the Llama architecture (Llama, SmolLM, Mistral without sliding window).
+This module covers the Llama architecture (Llama, SmolLM, Mistral without sliding window)
+and Qwen2 (biases on q/k/v, rotation by halves, an untied output projection).
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# llama.cpp stores Llama's Q/K rows for rotation of adjacent pairs (the converter permutes
+# them); Qwen2's are stored as trained, rotated by halves (NeoX style)
+_INTERLEAVED_ROTARY = frozenset({"llama"})
 F32, F16, BF16 = 0, 1, 30
 ACCURACY_LEVEL = 4  # MatMulNBits quantizes activations to int8 per block: its fast CPU path
 QUANTS = ("keep", "int4", "int8", "fp32")  # keep: the GGUF's own blocks, exactly
@@ -73,6 +77,7 @@ class Shape:
     rope_base: float
     rope_dim: int
     context: int
+    rotary_interleaved: bool
 
 
 def gguf_shape(header: GGUFHeader) -> Shape:
@@ -101,6 +106,7 @@ def gguf_shape(header: GGUFHeader) -> Shape:
         rope_base=float(v("rope.freq_base", 10000.0)),
         rope_dim=int(v("rope.dimension_count", head_dim)),
         context=int(v("context_length", 2048)),
+        rotary_interleaved=arch in _INTERLEAVED_ROTARY,
     )
 
 
@@ -397,6 +403,7 @@ def _build(
     total_len = g.node("Gather", [mask_shape, g.const("idx1", np.array(1, np.int64))], axis=0)[0]
     total_len32 = g.node("Cast", [total_len], to=TensorProto.INT32)[0]
     halves = g.const("ffn_halves", np.array([shape.ffn, shape.ffn], np.int64))
+    qkv_rows = (shape.heads * shape.head_dim, *(2 * [shape.kv_heads * shape.head_dim]))
     cos, sin = _rotary_cache(shape, context)
     cos_name, sin_name = g.const("cos_cache", cos), g.const("sin_cache", sin)
 
@@ -434,6 +441,12 @@ def _build(
         else:
             h, x = add_rms(x, down, f"{p}.attn_norm.weight")
         qkv = linear(h, [need(f"{p}.attn_{w}.weight") for w in ("q", "k", "v")], f"{p}.attn_qkv")
+        biases = [tensors.info(f"{p}.attn_{w}.bias") for w in ("q", "k", "v")]
+        if any(b is not None for b in biases):  # Qwen2
+            bias = np.concatenate(
+                [_bias(tensors, b, n) for b, n in zip(biases, qkv_rows, strict=True)]
+            )
+            qkv = g.node("Add", [qkv, g.const(f"{p}.attn_qkv.bias", bias)])[0]
         attn = g.name(f"{p}.attn")
         g.node_named(
             "GroupQueryAttention",
@@ -454,7 +467,7 @@ def _build(
             kv_num_heads=shape.kv_heads,
             scale=1.0 / math.sqrt(shape.head_dim),
             do_rotary=1,
-            rotary_interleaved=1,
+            rotary_interleaved=int(shape.rotary_interleaved),
         )
         o = linear(attn, [need(f"{p}.attn_output.weight")], f"{p}.attn_output")
         h, x = add_rms(x, o, f"{p}.ffn_norm.weight")
@@ -515,6 +528,15 @@ def _build(
     model.ir_version = 10
     onnx.save_model(model, str(out / "model.onnx"))  # the weights are already in the data file
     return report
+
+
+def _bias(tensors: _Tensors, t: TensorInfo | None, n: int) -> np.ndarray:
+    if t is None:
+        return np.zeros(n, np.float32)
+    b = tensors.floats(t).reshape(-1)
+    if b.shape != (n,):
+        raise ConversionError(f"tensor {t.name} has {b.size} values, expected {n}")
+    return b
 
 
 def _rotary_cache(shape: Shape, context: int) -> tuple[np.ndarray, np.ndarray]:

@@ -59,8 +59,12 @@ def _check_vocabulary(gguf: Path, tmp_path: Path, extra: tuple[str, ...] = ()) -
         assert tok.encode(text).ids == _llama_ids(gguf, text), text
 
 
-def test_bpe_vocabulary_gives_llama_cpp_ids(tiny_llama_gguf: Path, tmp_path: Path) -> None:
-    _check_vocabulary(tiny_llama_gguf, tmp_path)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_bpe_vocabulary_gives_llama_cpp_ids(
+    family: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    gguf = request.getfixturevalue(f"tiny_{family}_gguf")
+    _check_vocabulary(gguf, tmp_path)
 
 
 def test_sentencepiece_vocabulary_gives_llama_cpp_ids(

@@ -1,4 +1,5 @@
-"""A tiny random-weight Llama checkpoint with a tiny byte-level BPE tokenizer, built locally."""
+"""A tiny random-weight Llama (or Qwen2: q/k/v biases, rotation of halves, untied output)
+checkpoint with a tiny byte-level BPE tokenizer, built locally."""
 
 from __future__ import annotations
 
@@ -15,10 +16,16 @@ CORPUS = [
 ] * 20
 
 
-def build_tiny_checkpoint(folder: Path, *, seed: int = 0) -> Path:
+def build_tiny_checkpoint(folder: Path, *, seed: int = 0, family: str = "llama") -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     folder.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
@@ -38,7 +45,11 @@ def build_tiny_checkpoint(folder: Path, *, seed: int = 0) -> Path:
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(folder)
-    config = LlamaConfig(
+    config_class, model_class = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[family]
+    config = config_class(
         vocab_size=tok.get_vocab_size(),
         hidden_size=64,
         intermediate_size=128,
@@ -46,15 +57,18 @@ def build_tiny_checkpoint(folder: Path, *, seed: int = 0) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
-        tie_word_embeddings=True,
+        tie_word_embeddings=family == "llama",
         bos_token_id=1,
         eos_token_id=2,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_class(config)
     with torch.no_grad():  # larger weights than the init: sharper, less tie-prone logits
-        for p in model.parameters():
-            p.mul_(8.0) if p.dim() > 1 else None
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.mul_(8.0)
+            elif name.endswith(".bias"):  # Qwen2's q/k/v biases start at zero: make them count
+                p.copy_(torch.randn_like(p))
     model.generation_config.eos_token_id = 2
     model.save_pretrained(folder, safe_serialization=True)
     return folder
