@@ -44,7 +44,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 # llama.cpp stores Llama's Q/K rows for rotation of adjacent pairs (the converter permutes
 # them); Qwen2's are stored as trained, rotated by halves (NeoX style)
 _INTERLEAVED_ROTARY = frozenset({"llama"})
@@ -78,6 +78,16 @@ class Shape:
     rope_dim: int
     context: int
     rotary_interleaved: bool
+    rope_scale: float = 1.0  # linear scaling of positions (global layers of Gemma 3 4B+)
+    # Gemma 3: sliding-window layers (window, layers in a repeating group, their rope base)
+    sliding_window: int = 0
+    swa_pattern: int = 0
+    rope_base_swa: float = 10000.0
+    attention_scale: float = 0.0  # 0: 1 / sqrt(head_dim)
+
+    def is_swa(self, layer: int) -> bool:
+        """llama.cpp's pattern: in each group of ``swa_pattern`` layers, the last is global."""
+        return self.swa_pattern > 0 and layer % self.swa_pattern < self.swa_pattern - 1
 
 
 def gguf_shape(header: GGUFHeader) -> Shape:
@@ -93,9 +103,25 @@ def gguf_shape(header: GGUFHeader) -> Shape:
     heads = int(v("attention.head_count"))
     kv_heads = int(v("attention.head_count_kv", heads))
     head_dim = int(v("attention.key_length", hidden // heads))
-    embd = next(t for t in header.tensors if t.name == "token_embd.weight")
+    embd = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise ConversionError(f"{header.path.name}: tensor token_embd.weight is missing")
+    layers = int(v("block_count"))
+    extra: dict[str, Any] = {}
+    if arch == "gemma3":
+        factor = v("rope.scaling.factor")
+        scaled = v("rope.scaling.type") == "linear" and isinstance(factor, (int, float))
+        # llama.cpp: queries scaled by 1/sqrt(head_dim), except 27B (62 layers): hidden/heads
+        per_head = hidden // heads if layers == 62 else head_dim
+        extra = {
+            "rope_scale": float(factor) if scaled and factor else 1.0,
+            "sliding_window": int(v("attention.sliding_window", 0)),
+            "swa_pattern": int(v("attention.sliding_window_pattern", 6)),
+            "rope_base_swa": float(v("rope.freq_base_swa", 10000.0)),
+            "attention_scale": 1.0 / math.sqrt(per_head),
+        }
     return Shape(
-        layers=int(v("block_count")),
+        layers=layers,
         hidden=hidden,
         heads=heads,
         kv_heads=kv_heads,
@@ -107,6 +133,7 @@ def gguf_shape(header: GGUFHeader) -> Shape:
         rope_dim=int(v("rope.dimension_count", head_dim)),
         context=int(v("context_length", 2048)),
         rotary_interleaved=arch in _INTERLEAVED_ROTARY,
+        **extra,
     )
 
 
@@ -404,8 +431,13 @@ def _build(
     total_len32 = g.node("Cast", [total_len], to=TensorProto.INT32)[0]
     halves = g.const("ffn_halves", np.array([shape.ffn, shape.ffn], np.int64))
     qkv_rows = (shape.heads * shape.head_dim, *(2 * [shape.kv_heads * shape.head_dim]))
-    cos, sin = _rotary_cache(shape, context)
+    cos, sin = _rotary_cache(shape.rope_dim, shape.rope_base, shape.rope_scale, context)
     cos_name, sin_name = g.const("cos_cache", cos), g.const("sin_cache", sin)
+    gemma = header.architecture == "gemma3"
+    swa_cos = swa_sin = ""
+    if gemma and shape.swa_pattern:  # sliding-window layers rotate with their own base
+        cos, sin = _rotary_cache(shape.rope_dim, shape.rope_base_swa, 1.0, context)
+        swa_cos, swa_sin = g.const("cos_cache_swa", cos), g.const("sin_cache_swa", sin)
 
     # embedding: Q8_0/Q4_0 blocks gathered as they are (GatherBlockQuantized, exact), shared
     # with a tied lm_head; other types as a float table
@@ -432,6 +464,20 @@ def _build(
     else:
         table = g.const("token_embd.weight", tensors.floats(embd))
         x = g.node("Gather", [table, "input_ids"], axis=0)[0]
+    if gemma:  # Gemma scales the embedding by sqrt(hidden), as llama.cpp does in float32
+        x = g.node(
+            "Mul", [x, g.const("embd_scale", np.array(math.sqrt(shape.hidden), np.float32))]
+        )[0]
+
+    def head_rms(y: str, heads: int, name: str) -> str:
+        """RMSNorm of each head's vector (Gemma 3's q/k norms)."""
+        per_head = g.node(
+            "Reshape",
+            [y, g.const(g.name("heads"), np.array([0, 0, heads, shape.head_dim], np.int64))],
+        )[0]
+        normed = rms(per_head, name)
+        flat = np.array([0, 0, heads * shape.head_dim], np.int64)
+        return g.node("Reshape", [normed, g.const(g.name("flat"), flat)])[0]
 
     down = ""  # the previous layer's MLP output, joined to the residual by the next norm
     for i in range(shape.layers):
@@ -447,36 +493,54 @@ def _build(
                 [_bias(tensors, b, n) for b, n in zip(biases, qkv_rows, strict=True)]
             )
             qkv = g.node("Add", [qkv, g.const(f"{p}.attn_qkv.bias", bias)])[0]
+        attention_inputs = [qkv, "", ""]  # packed: query, key and value in one tensor
+        swa = shape.is_swa(i)
+        if gemma:
+            q, k, v = g.node(
+                "Split",
+                [qkv, g.const(g.name("qkv_rows"), np.array(qkv_rows, np.int64))],
+                n_out=3,
+                axis=-1,
+            )
+            q = head_rms(q, shape.heads, f"{p}.attn_q_norm.weight")
+            k = head_rms(k, shape.kv_heads, f"{p}.attn_k_norm.weight")
+            attention_inputs = [q, k, v]
         attn = g.name(f"{p}.attn")
         g.node_named(
             "GroupQueryAttention",
             [
-                qkv,  # packed: query, key and value in one tensor
-                "",
-                "",
+                *attention_inputs,
                 f"past_key_values.{i}.key",
                 f"past_key_values.{i}.value",
                 seqlens_k,
                 total_len32,
-                cos_name,
-                sin_name,
+                swa_cos if swa else cos_name,
+                swa_sin if swa else sin_name,
             ],
             [attn, f"present.{i}.key", f"present.{i}.value"],
             domain="com.microsoft",
             num_heads=shape.heads,
             kv_num_heads=shape.kv_heads,
-            scale=1.0 / math.sqrt(shape.head_dim),
+            scale=shape.attention_scale or 1.0 / math.sqrt(shape.head_dim),
             do_rotary=1,
             rotary_interleaved=int(shape.rotary_interleaved),
+            local_window_size=shape.sliding_window if swa else -1,
         )
         o = linear(attn, [need(f"{p}.attn_output.weight")], f"{p}.attn_output")
+        if gemma:  # Gemma normalizes each block's output before the residual
+            o = rms(o, f"{p}.post_attention_norm.weight")
         h, x = add_rms(x, o, f"{p}.ffn_norm.weight")
         gate_up = linear(
             h, [need(f"{p}.ffn_gate.weight"), need(f"{p}.ffn_up.weight")], f"{p}.ffn_gate_up"
         )
         gate, up = g.node("Split", [gate_up, halves], n_out=2, axis=-1)
-        silu = g.node("Mul", [gate, g.node("Sigmoid", [gate])[0]])[0]
-        down = linear(g.node("Mul", [silu, up])[0], [need(f"{p}.ffn_down.weight")], f"{p}.ffn_down")
+        if gemma:  # GELU, tanh approximation (llama.cpp's ggml_gelu)
+            act = g.node("Gelu", [gate], approximate="tanh")[0]
+        else:  # SiLU
+            act = g.node("Mul", [gate, g.node("Sigmoid", [gate])[0]])[0]
+        down = linear(g.node("Mul", [act, up])[0], [need(f"{p}.ffn_down.weight")], f"{p}.ffn_down")
+        if gemma:
+            down = rms(down, f"{p}.post_ffw_norm.weight")
     x = g.node("Add", [x, down])[0]  # the last layer's MLP output
 
     # the last position only, then the final norm and the vocabulary projection
@@ -539,9 +603,11 @@ def _bias(tensors: _Tensors, t: TensorInfo | None, n: int) -> np.ndarray:
     return b
 
 
-def _rotary_cache(shape: Shape, context: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin [context, rope_dim / 2] for GQA's rotary embedding."""
-    dim = shape.rope_dim
-    inv = 1.0 / (shape.rope_base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    angles = np.outer(np.arange(context, dtype=np.float64), inv)
+def _rotary_cache(
+    dim: int, base: float, scale: float, context: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [context, dim / 2] for GQA's rotary embedding; positions divided by
+    ``scale`` (linear rope scaling)."""
+    inv = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    angles = np.outer(np.arange(context, dtype=np.float64) / scale, inv)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)

@@ -157,6 +157,25 @@ def test_cli_converts_a_gguf_natively_with_progress(
     assert not list(tmp_path.glob(".native.partial*"))
 
 
+def test_cli_converts_a_sentencepiece_gemma_and_checks_its_tokenizer(
+    tiny_gemma_gguf: Path, tmp_path: Path
+) -> None:
+    """The GGUF's own vocabulary, checked against llama.cpp: the reference never shares the
+    result's tokenizer."""
+    pytest.importorskip("llama_cpp")
+    out = tmp_path / "gemma"
+    assert cli_main(["convert", str(tiny_gemma_gguf), "-o", str(out), "--threads", "1"]) == 0
+    manifest = json.loads((out / "edgeinfer.json").read_text())
+    assert manifest["architecture"]["model_type"] == "gemma3"
+    assert manifest["quantization"]["tokenizer"]["model"] == "llama"  # SentencePiece
+    report = manifest["validation"]
+    assert report["tokenizer_check"]["checked_against"] == "llama.cpp"
+    assert report["passed"] and report["top1_agreement"] >= 0.95
+    with edgeinfer.load(out, context_length=128, threads=1) as model:
+        text = "<start_of_turn>user\nhello<end_of_turn>\n"
+        assert model.tokenize(text) == _llama_ids(tiny_gemma_gguf, text)
+
+
 @pytest.mark.parametrize("quant", ["keep", "fp32", "int8", "int4"])
 def test_every_native_quant_loads_and_answers(
     tiny_llama_gguf: Path, tmp_path: Path, quant: str

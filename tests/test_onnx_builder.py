@@ -54,11 +54,15 @@ def _reference_logits(gguf: Path, prompt: list[int], steps: list[int]) -> list[n
     return out
 
 
-@pytest.fixture(params=["llama", "qwen2"])
+_TINY_GGUFS = {"llama": "tiny_llama_gguf", "qwen2": "tiny_qwen2_gguf", "gemma3": "tiny_gemma_gguf"}
+
+
+@pytest.fixture(params=sorted(_TINY_GGUFS))
 def tiny_gguf(request: pytest.FixtureRequest) -> tuple[str, Path]:
-    """The tiny random models as f32 GGUFs: Llama (tied, interleaved rotary) and Qwen2
-    (q/k/v biases, rotary by halves, untied output)."""
-    return request.param, request.getfixturevalue(f"tiny_{request.param}_gguf")
+    """The tiny random models as f32 GGUFs: Llama (tied, interleaved rotary), Qwen2 (q/k/v
+    biases, rotary by halves, untied output) and Gemma 3 (q/k norms, post-norms, GELU,
+    sliding-window layers with their own rotary base)."""
+    return request.param, request.getfixturevalue(_TINY_GGUFS[request.param])
 
 
 @pytest.mark.parametrize("quant", ["keep", "int8"])
@@ -72,7 +76,9 @@ def test_gguf_graph_matches_llama_cpp(
     out.mkdir()
     report = build_onnx_from_gguf(gguf, out, quant=quant, max_context=256)
     assert report.architecture == arch and report.widened == {}
-    prompt, steps = [1, 5, 9, 200, 17, 33, 4, 250], [7, 99, 3]
+    # 20 prompt tokens and 4 steps: past the tiny Gemma's 16-token sliding window
+    prompt = [1, 5, 9, 200, 17, 33, 4, 250, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+    steps = [7, 99, 3, 5]
     want = _reference_logits(gguf, prompt, steps)
     decoder = Decoder(out)
     got = [decoder(prompt)] + [decoder([t]) for t in steps]
