@@ -43,6 +43,7 @@ class ConvertConfig:
     # ONNX: "native" (GGUF sources: contrib-operator graph, no torch) or "optimum" (export
     # through torch); None picks native for a GGUF source, optimum for a Hugging Face folder
     builder: str | None = None
+    head_bits: int | None = None  # native int4: the embedding and output projection at 8 bits
     overwrite: bool = False
     allow_pickle: bool = False  # load .bin/.pt weights (pickle can run code: trusted files only)
     # int4 (MatMulNBits): blocks of 32 weights with a zero point each. Asymmetric blocks keep
@@ -86,6 +87,8 @@ class ConvertConfig:
             raise ConversionError(
                 f"--quant {self.quant!r} is not {what}; use one of {', '.join(allowed)}{hint}"
             )
+        if self.head_bits is not None and (self.builder != "native" or self.quant != "int4"):
+            raise ConversionError("--head-8bit applies to --quant int4 of the native builder")
         if self.int4_block_size not in (16, 32, 64, 128, 256):
             raise ConversionError("int4 block size must be 16, 32, 64, 128 or 256")
         if self.int4_accuracy_level not in (None, 0, 1, 2, 3, 4):
@@ -109,8 +112,8 @@ class ConvertConfig:
             return
         if self.builder is None:
             object.__setattr__(self, "builder", "native" if gguf_src else "optimum")
-        elif self.builder == "native" and not gguf_src:
+        elif self.builder == "native" and not (gguf_src or self.src.is_dir()):
             raise ConversionError(
-                f"{self.src}: the native ONNX builder reads GGUF files; convert a Hugging Face "
-                "folder with --builder optimum (or to GGUF first, then to ONNX)"
+                f"{self.src}: the native ONNX builder reads a GGUF file or a Hugging Face "
+                "folder with safetensors weights"
             )

@@ -29,6 +29,7 @@ def write_gguf_folder(
     folder: str | Path,
     *,
     quant: str = "keep",
+    head_bits: int | None = None,
     max_context: int | None = None,
     on_progress: Any = None,
 ) -> tuple[Manifest, BuildReport]:
@@ -37,7 +38,12 @@ def write_gguf_folder(
     src, folder = Path(src), Path(folder)
     vocab = read_gguf_vocabulary(src)  # before the graph: a refused vocabulary costs nothing
     report = build_onnx_from_gguf(
-        src, folder, quant=quant, max_context=max_context, on_progress=on_progress
+        src,
+        folder,
+        quant=quant,
+        head_bits=head_bits,
+        max_context=max_context,
+        on_progress=on_progress,
     )
     write_tokenizer_files(vocab, folder)
     shape = gguf_shape(read_gguf_header(src))
@@ -73,17 +79,21 @@ def write_gguf_folder(
 
 
 def convert_native(cfg: ConvertConfig, *, on_stage: Any = None) -> Any:
-    from .pipeline import ConversionResult, _Stages, format_report
+    if cfg.src.is_dir():
+        return _convert_checkpoint(cfg, on_stage)
+    from .pipeline import ConversionResult, _Stages
 
     src = cfg.src
     header = read_gguf_header(src)
     gguf_shape(header)  # an unsupported architecture is refused before anything is written
-    ensure_free_space(cfg.out, _bytes_needed(header.weight_nbytes, header, str(cfg.quant)))
+    ensure_free_space(cfg.out, _bytes_needed(header, str(cfg.quant)))
     stage = _Stages(on_stage, total=3)
     with atomic_output_dir(cfg.out, overwrite=cfg.overwrite) as partial:
         stage(f"building the ONNX graph of {src.name} ({cfg.quant}, native builder)")
         bar = _TensorBar(stage)
-        manifest, built = write_gguf_folder(src, partial, quant=str(cfg.quant), on_progress=bar)
+        manifest, built = write_gguf_folder(
+            src, partial, quant=str(cfg.quant), head_bits=cfg.head_bits, on_progress=bar
+        )
         bar.close()
         if built.widened:
             stage.detail(f"  widened to floats: {', '.join(sorted(built.widened))}")
@@ -96,12 +106,92 @@ def convert_native(cfg: ConvertConfig, *, on_stage: Any = None) -> Any:
         report["tokenizer_check"] = tokenizer
         manifest = replace(manifest, validation=report)
         manifest.write(partial)
-        if report.get("passed") is False:
-            raise ConversionError(
-                f"validation failed, nothing written to {cfg.out}:\n{format_report(report)}"
-            )
-        stage.done(format_report(report) if "skipped" not in report else report["skipped"])
+        _finish(cfg, report, stage)
     return ConversionResult(cfg.out, manifest, report)
+
+
+def _convert_checkpoint(cfg: ConvertConfig, on_stage: Any) -> Any:
+    """A Hugging Face safetensors folder through the native builder; validated against
+    transformers on the same folder when torch is installed."""
+    import dataclasses
+
+    from .hf_config import read_model_config
+    from .hf_source import HF_ARCHITECTURES
+    from .onnx_export import write_model_folder
+    from .pipeline import ConversionResult, _Stages
+    from .source import check_source
+
+    source = check_source(cfg.src, allow_pickle=False)
+    assert source is not None  # a folder
+    hp = read_model_config(source.folder / "config.json")
+    if hp.model_type not in HF_ARCHITECTURES:
+        raise ConversionError(
+            f"{cfg.src}: model_type {hp.model_type!r} is not supported by the native ONNX "
+            f"builder (supported: {', '.join(sorted(HF_ARCHITECTURES))}); use --builder optimum"
+        )
+    params = sum(p.stat().st_size for p in source.folder.glob("*.safetensors"))
+    ensure_free_space(cfg.out, params * 2 if cfg.quant in ("keep", "fp32") else params)
+    stage = _Stages(on_stage, total=2)
+    with atomic_output_dir(cfg.out, overwrite=cfg.overwrite) as partial:
+        stage(f"building the ONNX graph of {cfg.src.name} ({cfg.quant}, native builder)")
+        bar = _TensorBar(stage)
+        built = build_onnx_from_gguf(
+            source.folder, partial, quant=str(cfg.quant), head_bits=cfg.head_bits, on_progress=bar
+        )
+        bar.close()
+        method = {"method": "float" if cfg.quant in ("keep", "fp32") else str(cfg.quant)}
+        written = write_model_folder(source.folder, partial, source, method)
+        manifest = dataclasses.replace(
+            written,
+            architecture=dataclasses.replace(
+                written.architecture, kv_cache="shared", max_context=built.max_context
+            ),
+            has_position_ids=False,
+            quantization={**method, "builder": "native", "nbits": built.nbits},
+        )
+        manifest.write(partial)
+        stage("validating against the source through transformers (float32)")
+        report = _validate_checkpoint(cfg, source.folder, partial, manifest, stage)
+        manifest = replace(manifest, validation=report)
+        manifest.write(partial)
+        _finish(cfg, report, stage)
+    return ConversionResult(cfg.out, manifest, report)
+
+
+def _validate_checkpoint(
+    cfg: ConvertConfig, checkpoint: Path, folder: Path, manifest: Manifest, stage: Any
+) -> dict[str, Any]:
+    import importlib.util
+
+    if not (importlib.util.find_spec("torch") and importlib.util.find_spec("transformers")):
+        return {
+            "skipped": "answers not compared: the source checkpoint needs torch and "
+            "transformers to run (pip install 'edgeinfer[convert]')"
+        }
+    import warnings
+
+    from .validate import TransformersReference, compare, open_result
+
+    with warnings.catch_warnings(), open_result(folder, manifest, cfg.threads) as model:
+        warnings.simplefilter("ignore")
+        report = compare(
+            TransformersReference(checkpoint),
+            model,
+            cfg,
+            on_prompt=lambda i, n: stage.detail(f"  prompt {i}/{n}"),
+        )
+    report["reference"] = "the Hugging Face checkpoint through transformers (float32)"
+    return report
+
+
+def _finish(cfg: ConvertConfig, report: dict[str, Any], stage: Any) -> None:
+    from .pipeline import format_report
+
+    if report.get("passed") is False:
+        raise ConversionError(
+            f"validation failed, nothing written to {cfg.out}:\n{format_report(report)}"
+        )
+    stage.done(format_report(report) if "skipped" not in report else report["skipped"])
 
 
 def _validate(cfg: ConvertConfig, folder: Path, manifest: Manifest, stage: Any) -> dict[str, Any]:
@@ -139,13 +229,13 @@ def _validate(cfg: ConvertConfig, folder: Path, manifest: Manifest, stage: Any) 
     return report
 
 
-def _bytes_needed(gguf_bytes: int, header: Any, quant: str) -> int:
+def _bytes_needed(header: Any, quant: str) -> int:
     """The graph's data file at its largest: 5-bit blocks are stored in 8 bits (x1.6 of the
     GGUF at worst), int8 about the same, fp32 four bytes a weight."""
     if quant == "fp32":
         weights = sum(_elements(t.shape) for t in header.tensors)
         return 4 * weights
-    return int(gguf_bytes * 1.7)
+    return int(header.weight_nbytes * 1.7)
 
 
 def _elements(shape: tuple[int, ...]) -> int:

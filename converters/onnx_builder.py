@@ -21,6 +21,7 @@ and Qwen2 (biases on q/k/v, rotation by halves, an untied output projection).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable
@@ -118,7 +119,9 @@ def gguf_shape(header: GGUFHeader) -> Shape:
             "sliding_window": int(v("attention.sliding_window", 0)),
             "swa_pattern": int(v("attention.sliding_window_pattern", 6)),
             "rope_base_swa": float(v("rope.freq_base_swa", 10000.0)),
-            "attention_scale": 1.0 / math.sqrt(per_head),
+            "attention_scale": float(
+                header.metadata.get("edgeinfer.attention_scale", 1.0 / math.sqrt(per_head))
+            ),
         }
     return Shape(
         layers=layers,
@@ -132,7 +135,9 @@ def gguf_shape(header: GGUFHeader) -> Shape:
         rope_base=float(v("rope.freq_base", 10000.0)),
         rope_dim=int(v("rope.dimension_count", head_dim)),
         context=int(v("context_length", 2048)),
-        rotary_interleaved=arch in _INTERLEAVED_ROTARY,
+        rotary_interleaved=bool(
+            header.metadata.get("edgeinfer.rotary_interleaved", arch in _INTERLEAVED_ROTARY)
+        ),
         **extra,
     )
 
@@ -143,7 +148,7 @@ class _Tensors:
     def __init__(self, header: GGUFHeader, on_read: Callable[[], None]) -> None:
         self.header = header
         self._by_name = {t.name: t for t in header.tensors}
-        self._on_read = on_read
+        self.on_read = on_read
         self.seen: set[str] = set()
 
     def info(self, name: str) -> TensorInfo | None:
@@ -162,7 +167,7 @@ class _Tensors:
             raise ConversionError(f"{self.header.path.name}: tensor {t.name} is cut short")
         if t.name not in self.seen:
             self.seen.add(t.name)
-            self._on_read()
+            self.on_read()
         return data
 
     def floats(self, t: TensorInfo) -> np.ndarray:
@@ -253,37 +258,27 @@ def build_onnx_from_gguf(
     out_dir: str | Path,
     *,
     quant: str = "keep",
+    head_bits: int | None = None,
     max_context: int | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> BuildReport:
-    """Write ``model.onnx`` + ``model.onnx.data`` for the GGUF model ``src`` into ``out_dir``
-    (which must exist). ``quant``: ``keep`` the file's blocks exactly (types without an exact
-    form are widened to floats), re-round every projection to symmetric ``int4``/``int8``
-    blocks, or widen everything to ``fp32``. ``on_progress(done, total)`` counts the GGUF's
-    tensors as they are written. Returns what was kept in blocks and what was widened."""
+    """Write ``model.onnx`` + ``model.onnx.data`` for ``src`` — a GGUF file, or a Hugging Face
+    folder with safetensors weights — into ``out_dir`` (which must exist).
+
+    ``quant``: ``keep`` the source's weights exactly (GGUF blocks transcoded, floats as
+    floats; block types without an exact form are widened), re-round every projection to
+    symmetric ``int4``/``int8`` blocks (``head_bits=8`` keeps the embedding and the output
+    projection at 8 bits), or widen everything to ``fp32``. ``on_progress(done, total)``
+    counts the source's tensors as they are written. Returns what was kept in blocks and
+    what was widened."""
     if quant not in QUANTS:
         raise ConversionError(
             f"the native builder writes --quant {', '.join(QUANTS)}, not {quant!r}"
         )
-    out = Path(out_dir)
-    with open(out / "model.onnx.data", "wb") as data:
-        return _build(Path(src), out, data, quant, max_context, on_progress)
-
-
-def _build(
-    src: Path,
-    out: Path,
-    data: Any,
-    quant: str,
-    max_context: int | None,
-    on_progress: Callable[[int, int], None] | None,
-) -> BuildReport:
-    import onnx
-    from onnx import TensorProto
-
-    header = read_gguf_header(src)
-    shape = gguf_shape(header)
-    total = len(header.tensors)
+    if head_bits not in (None, 4, 8):
+        raise ConversionError(f"head_bits={head_bits!r}: use 4 or 8")
+    out, src = Path(out_dir), Path(src)
+    total = 0
     done = 0
 
     def progress() -> None:
@@ -292,7 +287,33 @@ def _build(
         if on_progress is not None:
             on_progress(done, total)
 
-    tensors = _Tensors(header, progress)
+    with contextlib.ExitStack() as stack:
+        if src.is_dir():
+            from .hf_source import checkpoint_tensors
+
+            header, tensors = stack.enter_context(checkpoint_tensors(src, progress))
+        else:
+            header = read_gguf_header(src)
+            tensors = _Tensors(header, progress)
+        total = len(header.tensors)
+        data = stack.enter_context(open(out / "model.onnx.data", "wb"))
+        return _build(header, tensors, out, data, quant, head_bits, max_context)
+
+
+def _build(
+    header: GGUFHeader,
+    tensors: Any,
+    out: Path,
+    data: Any,
+    quant: str,
+    head_bits: int | None,
+    max_context: int | None,
+) -> BuildReport:
+    import onnx
+    from onnx import TensorProto
+
+    shape = gguf_shape(header)
+    progress = tensors.on_read
     context = min(max_context or shape.context, shape.context)
     report = BuildReport(header.architecture, shape.layers, {}, {}, context)
     g = _Graph(data, "model.onnx.data")
@@ -318,11 +339,15 @@ def _build(
             block_sums[x] = g.node("MatMul", [x, summers[k]])[0]
         return block_sums[x]
 
+    bits = {"int4": 4, "int8": 8}.get(quant)
+    head_nbits = head_bits or bits  # the embedding and the output projection
+
     def weights(t: TensorInfo) -> NBitsWeight | None:
         if quant == "fp32":
             return None
-        if quant in ("int4", "int8"):
-            return quantize_symmetric(tensors.floats(t), 4 if quant == "int4" else 8)
+        if bits is not None:
+            is_head = t.name in ("output.weight", "token_embd.weight")
+            return quantize_symmetric(tensors.floats(t), int(head_nbits if is_head else bits))
         if t.ggml_type in (F32, F16, BF16):
             return None
         k, n = t.shape[0], t.shape[1]
@@ -443,8 +468,8 @@ def _build(
     # with a tied lm_head; other types as a float table
     embd = need("token_embd.weight")
     table = embd_blocks = None
-    if quant in ("int4", "int8"):
-        embd_blocks = quantize_symmetric(tensors.floats(embd), 4 if quant == "int4" else 8)
+    if bits is not None:
+        embd_blocks = quantize_symmetric(tensors.floats(embd), int(head_nbits))
     elif quant == "keep" and embd.ggml_type in (Q8_0, Q4_0):
         embd_blocks = transcode(embd.ggml_type, tensors.raw(embd), shape.vocab, shape.hidden)
     if embd_blocks is not None:

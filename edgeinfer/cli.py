@@ -165,9 +165,9 @@ def _add_convert_parser(sub: Any) -> None:
     p.add_argument(
         "--builder",
         choices=list(BUILDERS),
-        help="ONNX from a GGUF: native (the default; contrib-operator graph, no torch) or "
-        "optimum (dequantize, export with torch, requantize; needs edgeinfer[convert]); a "
-        "Hugging Face folder always uses optimum",
+        help="ONNX: native (contrib-operator graph, no torch; the default for a GGUF) or "
+        "optimum (export with torch, needs edgeinfer[convert]; the default for a Hugging Face "
+        "folder, which the native builder also reads: Llama, Mistral, Qwen2, Gemma 3)",
     )
     p.add_argument(
         "--quant",
@@ -177,6 +177,11 @@ def _add_convert_parser(sub: Any) -> None:
         "weights and activations; its default); int8wo (8-bit weight-only); int4 (4-bit "
         "weight-only). GGUF: f32, f16 (the default), bf16, q8_0 written directly; q4_0, "
         "q4_1, q5_k_m, q4_k_m, q6_k by llama.cpp",
+    )
+    p.add_argument(
+        "--head-8bit",
+        action="store_true",
+        help="native --quant int4: keep the embedding and the output projection at 8 bits",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument(
@@ -330,6 +335,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         to=args.to,
         builder=args.builder,
         quant=args.quant,
+        head_bits=8 if args.head_8bit else None,
         overwrite=args.overwrite,
         allow_pickle=args.allow_pickle,
         int4_block_size=args.int4_block_size,

@@ -111,16 +111,21 @@ def tiny_llama_gguf(tiny_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Qwen2 (q/k/v biases, untied output) as an f32 GGUF by edgeinfer's writer."""
+def tiny_qwen2_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2 checkpoint (q/k/v biases, untied output)."""
     pytest.importorskip("transformers", reason="needs the convert extra")
-    from edgeinfer.converters import convert
-
     from .tiny_hf import build_tiny_checkpoint
 
-    hf = build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen2") / "hf", family="qwen2")
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen2") / "hf", family="qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_gguf(tiny_qwen2_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Qwen2 as an f32 GGUF by edgeinfer's writer."""
+    from edgeinfer.converters import convert
+
     out = tmp_path_factory.mktemp("tiny-qwen2-gguf") / "tiny-qwen2-f32.gguf"
-    convert(hf, out, to="gguf", quant="f32")
+    convert(tiny_qwen2_hf, out, to="gguf", quant="f32")
     return out
 
 

@@ -112,8 +112,12 @@ def test_target_and_builder_follow_the_paths(tiny_llama_gguf: Path, tiny_hf: Pat
     assert (cfg.to, cfg.builder, cfg.quant) == ("onnx", "optimum", "int8")
     cfg = ConvertConfig(tiny_llama_gguf, Path("out"), builder="optimum")
     assert cfg.quant == "int8"
-    with pytest.raises(ConversionError, match="native ONNX builder reads GGUF files"):
-        ConvertConfig(tiny_hf, Path("out"), builder="native")
+    cfg = ConvertConfig(tiny_hf, Path("out"), builder="native")
+    assert (cfg.builder, cfg.quant) == ("native", "keep")
+    with pytest.raises(ConversionError, match="reads a GGUF file or a Hugging Face folder"):
+        ConvertConfig(tiny_hf / "config.json", Path("out"), builder="native")
+    with pytest.raises(ConversionError, match="--head-8bit applies to --quant int4"):
+        ConvertConfig(tiny_llama_gguf, Path("out"), quant="int8", head_bits=8)
     with pytest.raises(ConversionError, match=r"'keep' is not an ONNX quantization.*native"):
         ConvertConfig(tiny_hf, Path("out"), quant="keep")
     with pytest.raises(ConversionError, match="'int8wo' is not written by the native"):
@@ -128,7 +132,7 @@ def test_convert_help_names_every_default(capsys: pytest.CaptureFixture[str]) ->
     text = " ".join(capsys.readouterr().out.split())
     assert "gguf when OUT ends in .gguf, else onnx" in text
     assert "keep (the default: the GGUF's blocks, lossless)" in text
-    assert "native (the default" in text
+    assert "native (contrib-operator graph, no torch; the default for a GGUF)" in text
     assert "--int4-block-size N optimum int4: weights per quantization block" in text
 
 
@@ -229,6 +233,57 @@ def test_default_gguf_converts_without_torch(default_gguf: Path, tmp_path: Path)
     with edgeinfer.load(out, context_length=256, threads=2) as model:
         answer = model.generate("The capital of France is", max_new_tokens=4, temperature=0)
     assert "Paris" in answer.text
+
+
+# -- a Hugging Face folder through the native builder -------------------------------------
+
+_TINY = {"llama": ("tiny_hf", "tiny_llama_gguf"), "qwen2": ("tiny_qwen2_hf", "tiny_qwen2_gguf"),
+         "gemma3": ("tiny_gemma_hf", "tiny_gemma_gguf")}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(_TINY))
+def test_safetensors_folder_builds_the_graph_its_gguf_builds(
+    family: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """The same weights from the Hugging Face folder and from its f32 GGUF give the same
+    logits: names mapped, Llama's unpermuted q/k rotated by halves, Gemma's norms +1."""
+    from edgeinfer.converters.onnx_builder import build_onnx_from_gguf
+
+    from .test_onnx_builder import Decoder
+
+    hf, gguf = (request.getfixturevalue(name) for name in _TINY[family])
+    prompt = [1, 5, 9, 200, 17, 33, 4, 250, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+    logits = []
+    for src in (hf, gguf):
+        out = tmp_path / src.name
+        out.mkdir()
+        report = build_onnx_from_gguf(src, out, max_context=256)
+        assert report.architecture == family
+        decoder = Decoder(out)
+        logits.append([decoder(prompt)] + [decoder([t]) for t in (7, 99, 3)])
+    for a, b in zip(*logits, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()))
+
+
+def test_cli_converts_a_safetensors_folder_natively(
+    tiny_hf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("torch")
+    out = tmp_path / "native-hf"
+    argv = ["convert", str(tiny_hf), "-o", str(out), "--builder", "native", "--threads", "1"]
+    assert cli_main(argv) == 0
+    manifest = json.loads((out / "edgeinfer.json").read_text())
+    assert manifest["quantization"]["builder"] == "native"
+    report = manifest["validation"]
+    assert report["passed"] and "transformers" in report["reference"]
+    assert report["top1_agreement"] >= 0.95  # float weights: transformers' own answers
+    assert (out / "tokenizer.json").is_file() and "prompt 8/8" in capsys.readouterr().err
+    quantized = tmp_path / "int4"
+    argv = ["convert", str(tiny_hf), "-o", str(quantized), "--builder", "native"]
+    argv += ["--quant", "int4", "--head-8bit", "--min-top1", "0", "--min-greedy", "0"]
+    assert cli_main(argv) == 0
+    nbits = json.loads((quantized / "edgeinfer.json").read_text())["quantization"]["nbits"]
+    assert set(nbits) == {"4-bit/32", "8-bit/32"}  # the tied head at 8 bits
 
 
 # -- a catalog GGUF without llama.cpp -------------------------------------------------------
