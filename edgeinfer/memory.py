@@ -217,6 +217,9 @@ class ModelShape:
     tokenizer_bytes: int = 0
     files: tuple[str, ...] = ()  # the files the engine maps (weights), as absolute paths
     kv_cache: str = "grow"  # ONNX: "shared" when one preallocated buffer holds the cache
+    # ONNX: the graph returns logits for every position of a prefill batch (optimum's and
+    # onnxruntime-genai's graphs), not the last one only (the native builder's)
+    logits_all_positions: bool = True
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -359,6 +362,7 @@ def _onnx_shape(folder: Path, manifest: Any) -> ModelShape:
         tokenizer_bytes=tokenizer.stat().st_size if tokenizer.is_file() else 0,
         files=tuple(str(p.resolve()) for p in files if p.is_file()),
         kv_cache=arch.kv_cache,
+        logits_all_positions=manifest.quantization.get("builder") != "native",
     )
 
 
@@ -382,6 +386,10 @@ def plan_memory(
     weights (see ``FitAtLoad``): it then replaces the estimated process, weights and engine.
     """
     costs = _COSTS["onnx-shared" if shape.kv_cache == "shared" else shape.format]
+    if shape.kv_cache == "shared" and shape.logits_all_positions:  # onnxruntime-genai's graphs
+        costs = dataclasses.replace(
+            costs, logits_per_batch_token=_COSTS["onnx"].logits_per_batch_token
+        )
     if process is None:
         process = psutil.Process().memory_info().rss
     if engine_loaded is None:
