@@ -9,7 +9,7 @@ manifest from the GGUF alone), then:
 - decode tokens/s of a bare IO-binding loop (no sampler, no detokenizer), 128 steps after a
   128-token prompt.
 
-    python benchmarks/bench_native_onnx.py [--threads 2] [--out FILE.json]
+    python benchmarks/bench_native_onnx.py [--threads 2] [--also FOLDER] [--out FILE.json]
 
 Speed against the peers is ``edgeinfer bench``.
 """
@@ -46,7 +46,7 @@ class Loop:
     """The graph driven as the backend drives it: one KV buffer per cache tensor, bound as
     both past and present."""
 
-    def __init__(self, session: Any, context: int) -> None:
+    def __init__(self, session: Any, context: int, head_dim: int = 64) -> None:
         import onnxruntime as ort
 
         self.session = session
@@ -54,6 +54,7 @@ class Loop:
         for i in session.get_inputs():
             if i.name.startswith("past_key_values"):
                 _, heads, _, dim = i.shape
+                dim = dim if isinstance(dim, int) else head_dim  # genai: "kv_cache_dim"
                 buffer = ort.OrtValue.ortvalue_from_numpy(
                     np.zeros((1, heads, context, dim), np.float32)
                 )
@@ -128,6 +129,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
+        "--also",
+        type=Path,
+        metavar="FOLDER",
+        help="profile another folder of the same model too (onnxruntime-genai's, say)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "native-onnx.json"
     )
     args = parser.parse_args()
@@ -147,9 +154,22 @@ def main() -> int:
             "raw_loop": raw_decode(folder, args.threads),
             "profile": profile(folder, args.threads),
         }
-    print(json.dumps({k: v for k, v in report.items() if k != "profile"}, indent=1))
-    for op, row in list(report["profile"].items())[:10]:
-        print(f"{op:32s} {row['ms_per_step']:6.2f} ms/step  {row['nodes']:4d} nodes")
+        if args.also is not None:
+            report["also"] = {
+                "folder": str(args.also),
+                "raw_loop": raw_decode(args.also, args.threads),
+                "profile": profile(args.also, args.threads),
+            }
+    print(json.dumps({k: v for k, v in report.items() if k not in ("profile", "also")}, indent=1))
+    profiles = [("native", report["profile"])]
+    if "also" in report:
+        print("also:", json.dumps(report["also"]["raw_loop"]))
+        profiles.append((args.also.name, report["also"]["profile"]))
+    for name, rows in profiles:
+        total = sum(row["ms_per_step"] for row in rows.values())
+        print(f"{name}: {total:.2f} ms/step in the profile")
+        for op, row in list(rows.items())[:10]:
+            print(f"  {op:32s} {row['ms_per_step']:6.2f} ms/step  {row['nodes']:4d} nodes")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 0
