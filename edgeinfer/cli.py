@@ -17,6 +17,7 @@ from typing import Any
 from . import __version__, catalog, devices_cli
 from .bench import cli as bench_cli
 from .errors import EdgeInferError, InvalidRequestError
+from .serve import cli as serve_cli
 
 logger = logging.getLogger("edgeinfer")
 
@@ -127,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert_parser(sub)
     devices_cli.add_parser(sub)
     bench_cli.add_parser(sub)
+    serve_cli.add_parser(sub, _add_model_flags)
 
     models = sub.add_parser("models", help="list, fetch or locate catalog models")
     msub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
@@ -369,6 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "convert": cmd_convert,
         "devices": devices_cli.cmd_devices,
         "bench": bench_cli.cmd_bench,
+        "serve": lambda a: serve_cli.cmd_serve(a, load_model),
     }
     try:
         return commands[args.command](args)

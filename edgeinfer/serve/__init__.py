@@ -1,0 +1,2 @@
+"""``edgeinfer serve``: an OpenAI-compatible local server for one model (Starlette +
+uvicorn, the ``serve`` extra, imported only when serving)."""

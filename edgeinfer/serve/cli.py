@@ -1,0 +1,150 @@
+"""``edgeinfer serve``: the model behind an OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import socket
+import sys
+from typing import Any
+
+from ..errors import BackendUnavailableError, InvalidRequestError
+
+__all__ = ["add_parser", "cmd_serve"]
+
+logger = logging.getLogger("edgeinfer.serve")
+
+
+def add_parser(sub: Any, add_model_flags: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over OpenAI's HTTP API (chat and completions, streamed or not)",
+        description="Serve MODEL (default: the catalog's default model) at "
+        "http://HOST:PORT/v1 with OpenAI's wire format: POST /v1/chat/completions, POST "
+        "/v1/completions, GET /v1/models, and GET /health. One model; requests take it in "
+        "arrival order, and past --max-queue waiting ones a request gets 503 with "
+        "Retry-After. Loopback only unless --api-key is set. Needs edgeinfer[serve].",
+    )
+    p.add_argument("model", nargs="?", metavar="MODEL", help="catalog name, .gguf or folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("EDGEINFER_API_KEY"),
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' (default: $EDGEINFER_API_KEY; required to "
+        "bind an address other than loopback)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=8,
+        metavar="N",
+        help="requests that may wait for the model; more get 503 (default: 8)",
+    )
+    p.add_argument(
+        "--cors-origin",
+        metavar="ORIGIN",
+        help="allow browser requests from this origin, e.g. http://localhost:3000 (default: none)",
+    )
+    p.add_argument(
+        "--max-body-kb",
+        type=int,
+        default=4096,
+        metavar="KB",
+        help="largest request body accepted (default: 4096)",
+    )
+    p.add_argument(
+        "--log-json", action="store_true", help="one JSON object per request line on stderr"
+    )
+    add_model_flags(p)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_settings(args: argparse.Namespace) -> None:
+    if not 1 <= args.port <= 65535:
+        raise InvalidRequestError(f"--port {args.port} must be from 1 to 65535")
+    if args.max_queue < 0:
+        raise InvalidRequestError(f"--max-queue {args.max_queue} must be 0 or more")
+    if args.max_body_kb < 1:
+        raise InvalidRequestError(f"--max-body-kb {args.max_body_kb} must be 1 or more")
+    if not _loopback(args.host) and not args.api_key:
+        raise InvalidRequestError(
+            f"--host {args.host} exposes the model beyond this machine; set --api-key KEY (or "
+            "$EDGEINFER_API_KEY) so only clients with the key can use it, or bind 127.0.0.1"
+        )
+    try:
+        with socket.socket(_family(args.host), socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((args.host, args.port))
+    except OSError as exc:
+        raise InvalidRequestError(
+            f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}; choose another "
+            "--port or stop what uses it"
+        ) from exc
+
+
+def _family(host: str) -> socket.AddressFamily:
+    try:
+        return socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        return socket.AF_INET
+
+
+def cmd_serve(args: argparse.Namespace, load_model: Any) -> int:
+    try:
+        import uvicorn
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "edgeinfer serve needs the server extra: pip install 'edgeinfer[serve]'"
+        ) from exc
+    from .. import catalog
+    from .app import ServerConfig, create_app
+
+    check_settings(args)
+    args.model = args.model or catalog.DEFAULT_MODEL
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access = logging.getLogger("edgeinfer.serve.access")
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False
+    with load_model(args) as model:
+        name = args.model if isinstance(args.model, str) else str(args.model)
+        config = ServerConfig(
+            name=name,
+            api_key=args.api_key,
+            max_queue=args.max_queue,
+            max_body_bytes=args.max_body_kb * 1024,
+            cors_origin=args.cors_origin,
+            log_json=args.log_json,
+        )
+        app = create_app(model, config)
+        print(
+            f"edgeinfer: serving {name} at http://{args.host}:{args.port}/v1 "
+            f"({model.info.get('provider')}, context {model.context_length})",
+            file=sys.stderr,
+            flush=True,
+        )
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=args.host,
+                port=args.port,
+                log_level="warning",
+                access_log=False,
+                timeout_graceful_shutdown=5,
+            )
+        )
+        server.run()
+    return 0

@@ -1,0 +1,274 @@
+"""OpenAI's wire format: request bodies checked and turned into generator calls, and the
+response objects built from edgeinfer's chunks and stats.
+
+Every refusal is a ``WireError`` with the HTTP status, OpenAI's error type and code, and the
+field it is about, so a client sees ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..generation import GenerationStats
+
+__all__ = ["ChatRequest", "CompletionRequest", "WireError", "parse_chat", "parse_completion"]
+
+# Fields that change what OpenAI would return and that edgeinfer does not do: refused unless
+# they hold their "off" value. Other unknown fields (user, metadata, store, ...) are ignored.
+_REFUSED = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+}
+_MAX_STOPS = 4
+
+
+class WireError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = (
+            status,
+            message,
+            param,
+            code,
+            kind,
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad(param: str, why: str) -> WireError:
+    return WireError(400, f"{param}: {why}", param=param, code="invalid_value")
+
+
+@dataclass
+class _Common:
+    model: str | None
+    stream: bool
+    include_usage: bool
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ChatRequest(_Common):
+    messages: list[dict[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class CompletionRequest(_Common):
+    prompt: str = ""
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    common = _common(body, ("max_completion_tokens", "max_tokens"))
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "must be a non-empty list of {role, content} objects")
+    return ChatRequest(**common, messages=[_message(m, i) for i, m in enumerate(messages)])
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    common = _common(body, ("max_tokens",))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise bad("prompt", "must be a non-empty string (one prompt per request)")
+    return CompletionRequest(**common, prompt=prompt)
+
+
+def _common(body: Any, length_keys: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise WireError(400, "the request body must be a JSON object", code="invalid_json")
+    for key, allowed in _REFUSED.items():
+        if key in body and body[key] not in allowed:
+            raise WireError(
+                400,
+                f"{key} is not supported by this server (edgeinfer); leave it out",
+                param=key,
+                code="unsupported_parameter",
+            )
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", "must be a string")
+    n = body.get("n", 1)
+    if n != 1 or isinstance(n, bool):
+        raise WireError(
+            400,
+            "n: only n=1 is supported (one choice per request)",
+            param="n",
+            code="invalid_value",
+        )
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("stream", "must be true or false")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict) or not isinstance(
+            options.get("include_usage", False), bool
+        ):
+            raise bad("stream_options", 'must be an object like {"include_usage": true}')
+        if not stream:
+            raise bad("stream_options", "is only allowed with stream=true")
+        include_usage = bool(options.get("include_usage", False))
+    sampling: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # OpenAI's
+    for key in length_keys:
+        if body.get(key) is not None:
+            sampling["max_new_tokens"] = _integer(body, key, 1)
+            break
+    if body.get("temperature") is not None:
+        sampling["temperature"] = _number(body, "temperature", 0.0, 2.0)
+    if body.get("top_p") is not None:
+        sampling["top_p"] = _number(body, "top_p", 0.0, 1.0)
+        if sampling["top_p"] == 0.0:
+            raise bad("top_p", "must be greater than 0")
+    if body.get("seed") is not None:
+        sampling["seed"] = _integer(body, "seed", -(2**63))
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if (
+            not isinstance(stops, list)
+            or len(stops) > _MAX_STOPS
+            or not all(isinstance(s, str) and s for s in stops)
+        ):
+            raise bad("stop", f"must be a non-empty string or a list of at most {_MAX_STOPS}")
+        sampling["stop"] = tuple(stops)
+    if body.get("logit_bias") is not None:
+        sampling["logit_bias"] = _logit_bias(body["logit_bias"])
+    return {"model": model, "stream": stream, "include_usage": include_usage, "sampling": sampling}
+
+
+def _integer(body: dict[str, Any], key: str, low: int) -> int:
+    value = body[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise bad(key, f"must be an integer >= {low}")
+    return value
+
+
+def _number(body: dict[str, Any], key: str, low: float, high: float) -> float:
+    value = body[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(key, f"must be a number from {low} to {high}")
+    if not (math.isfinite(value) and low <= value <= high):
+        raise bad(key, f"must be a number from {low} to {high}")
+    return float(value)
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's {"token id": bias in [-100, 100]}; -100 bans the token."""
+    if not isinstance(value, dict):
+        raise bad("logit_bias", 'must be an object like {"50256": -100}')
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise bad("logit_bias", f"key {key!r} is not a token id") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad("logit_bias", f"the bias of token {key} must be a number from -100 to 100")
+        out[token] = float("-inf") if bias <= -100 else float(bias)
+    return out
+
+
+def _message(m: Any, i: int) -> dict[str, str]:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise bad(where, "must be an object with a string role")
+    content = m.get("content")
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise bad(f"{where}.content", "only text parts are supported")
+            if not isinstance(part.get("text"), str):
+                raise bad(f"{where}.content", "a text part needs a string text")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise bad(f"{where}.content", "must be a string or a list of text parts")
+    return {"role": m["role"], "content": content}
+
+
+# -- responses ----------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def usage(stats: GenerationStats | None) -> dict[str, Any]:
+    if stats is None:
+        return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.reused_prompt_tokens},
+    }
+
+
+def finish(reason: str | None) -> str | None:
+    """edgeinfer's finish reasons as OpenAI's: stop and length; a cancelled stream (its
+    client left) stops."""
+    if reason is None:
+        return None
+    return "length" if reason == "length" else "stop"
+
+
+def chat_chunk(
+    rid: str, model: str, created: int, delta: dict[str, Any], reason: str | None
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish(reason)}],
+    }
+
+
+def completion_chunk(
+    rid: str, model: str, created: int, text: str, reason: str | None
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish(reason)}],
+    }
+
+
+def now() -> int:
+    return int(time.time())
