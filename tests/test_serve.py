@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -78,11 +79,14 @@ def _start(model: Path, *extra: str) -> Iterator[Server]:
     try:
         yield Server(url, process, log, str(model))
     finally:
-        process.terminate()
+        process.terminate()  # SIGTERM: a graceful stop, the model closed after its requests
         try:
-            process.wait(timeout=15)
+            code = process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+            code = None
+    # uvicorn stops gracefully, then re-raises SIGTERM so the parent sees how it ended
+    assert code in (0, -signal.SIGTERM), "".join(log)[-2000:]
 
 
 @pytest.fixture(scope="module")

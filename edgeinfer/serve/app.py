@@ -40,12 +40,32 @@ class ServerConfig:
 
 
 class _Admission:
-    """At most one running request plus ``max_queue`` waiting ones."""
+    """At most one running request plus ``max_queue`` waiting ones; the streams of the
+    admitted requests, so that shutting down can cancel them before the model closes."""
 
     def __init__(self, max_queue: int) -> None:
         self._limit = max_queue + 1
         self._active = 0
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self.streams: set[TokenStream] = set()
+
+    def track(self, stream: TokenStream) -> None:
+        with self._lock:
+            self.streams.add(stream)
+
+    def release(self, stream: TokenStream) -> None:
+        with self._lock:
+            self.streams.discard(stream)
+            self._active -= 1
+            self._idle.notify_all()
+
+    def drain(self, timeout: float) -> bool:
+        """Cancel every admitted request and wait until none runs; False on timeout."""
+        with self._lock:
+            for stream in self.streams:
+                stream.cancel()
+            return self._idle.wait_for(lambda: self._active == 0, timeout)
 
     def enter(self) -> bool:
         with self._lock:
@@ -57,6 +77,7 @@ class _Admission:
     def leave(self) -> None:
         with self._lock:
             self._active -= 1
+            self._idle.notify_all()
 
     @property
     def busy(self) -> bool:
@@ -140,6 +161,7 @@ def create_app(model: Model, config: ServerConfig) -> Any:
             except BaseException:
                 admission.leave()
                 raise
+            admission.track(stream)
         except wire.WireError as exc:
             _log_line(config, log | {"status": exc.status}, t0)
             retry = {"Retry-After": str(config.retry_after_s)} if exc.status == 503 else None
@@ -231,7 +253,7 @@ def create_app(model: Model, config: ServerConfig) -> Any:
                 allow_headers=["Authorization", "Content-Type"],
             )
         )
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
@@ -241,6 +263,8 @@ def create_app(model: Model, config: ServerConfig) -> Any:
         middleware=middleware,
         exception_handlers={404: not_found, 405: wrong_method, 500: crashed, Exception: crashed},
     )
+    app.state.drain = admission.drain  # cancel what runs before the model is closed
+    return app
 
 
 def _open(model: Model, parsed: wire.ChatRequest | wire.CompletionRequest) -> TokenStream:
@@ -255,7 +279,7 @@ def _collect(stream: TokenStream, admission: _Admission) -> GenerationResult:
     try:
         return stream.collect()
     finally:
-        admission.leave()
+        admission.release(stream)
 
 
 async def _sse(
@@ -290,7 +314,7 @@ async def _sse(
         except Exception as exc:  # reported to the client as an error event
             put(("error", exc))
         finally:
-            admission.leave()
+            admission.release(stream)
             result = stream.result
             figures = _figures(result) if result is not None else {}
             _log_line(config, log | {"status": status, "stream": True} | figures, t0)

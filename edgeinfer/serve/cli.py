@@ -146,5 +146,10 @@ def cmd_serve(args: argparse.Namespace, load_model: Any) -> int:
                 timeout_graceful_shutdown=5,
             )
         )
-        server.run()
+        try:
+            server.run()
+        finally:
+            if not app.state.drain(timeout=30):  # generation threads still hold the model
+                logger.warning("requests still running after 30 s; exiting without closing")
+                os._exit(1)
     return 0
