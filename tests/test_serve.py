@@ -341,3 +341,30 @@ def test_past_the_queue_limit_is_503_with_retry_after(default_gguf: Path) -> Non
             t.join(120)
         assert len(results) == 2  # the running and the waiting request both finished
         assert json.loads(httpx.get(f"{srv.url}/health").text)["queue"] == 0
+
+
+# -- the application in-process (Starlette's test client) ----------------------------------
+
+
+def test_cors_only_for_the_named_origin(local: edgeinfer.Model) -> None:
+    from starlette.testclient import TestClient
+
+    from edgeinfer.serve.app import ServerConfig, create_app
+
+    preflight = {
+        "Origin": "http://localhost:3000",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type",
+    }
+    closed = TestClient(create_app(local, ServerConfig(name="m")))
+    r = closed.options("/v1/chat/completions", headers=preflight)
+    assert "access-control-allow-origin" not in r.headers
+    opened = TestClient(
+        create_app(local, ServerConfig(name="m", cors_origin="http://localhost:3000"))
+    )
+    r = opened.options("/v1/chat/completions", headers=preflight)
+    assert r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    r = opened.options("/v1/chat/completions", headers={**preflight, "Origin": "http://evil.test"})
+    assert r.headers.get("access-control-allow-origin") != "*"
+    assert opened.get("/v1/chat/completions").status_code == 405  # POST only, JSON error
+    assert opened.get("/nowhere").json()["error"]["code"] == "not_found"
