@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from . import __version__, catalog, devices_cli
@@ -79,6 +80,15 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--stop", action="append", metavar="TEXT", help="stop before this text (repeatable)"
     )
+    s = p.add_argument_group("structured output (needs edgeinfer[structured])")
+    x = s.add_mutually_exclusive_group()
+    x.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="answer with JSON that validates against the JSON schema in FILE",
+    )
+    x.add_argument("--regex", metavar="PATTERN", help="answer with text matching PATTERN")
+    x.add_argument("--choice", metavar="A,B,C", help="answer with exactly one of these")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,7 +253,29 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "seed",
         "stop",
     )
-    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    kwargs = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    response_format = _response_format(args)
+    if response_format is not None:
+        kwargs["response_format"] = response_format
+    return kwargs
+
+
+def _response_format(args: argparse.Namespace) -> dict[str, Any] | None:
+    if getattr(args, "json_schema", None):
+        path = Path(args.json_schema)
+        try:
+            schema = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise InvalidRequestError(f"--json-schema {path}: {exc.strerror or exc}") from exc
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InvalidRequestError(f"--json-schema {path} is not JSON: {exc}") from exc
+        return {"type": "json_schema", "json_schema": {"name": path.stem, "schema": schema}}
+    if getattr(args, "regex", None):
+        return {"type": "regex", "pattern": args.regex}
+    if getattr(args, "choice", None):
+        choices = [c for c in args.choice.split(",") if c]
+        return {"type": "choice", "choices": choices}
+    return None
 
 
 def load_model(args: argparse.Namespace) -> Any:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -61,6 +61,9 @@ class GenerationResult:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason
     stats: GenerationStats
+    # the parsed JSON of a complete reply under a JSON response_format; None otherwise (also
+    # when the reply ended before the grammar did)
+    parsed: Any = None
 
 
 class KVHistory:
@@ -112,9 +115,15 @@ class TokenStream:
     usable. After the stream ends, ``result`` holds the whole GenerationResult.
     """
 
-    def __init__(self, chunks: Iterator[Chunk], cancel_event: threading.Event) -> None:
+    def __init__(
+        self,
+        chunks: Iterator[Chunk],
+        cancel_event: threading.Event,
+        parse: Callable[[str, str], Any] | None = None,
+    ) -> None:
         self._chunks = chunks
         self._cancel = cancel_event
+        self._parse = parse
         self._parts: list[str] = []
         self._ids: list[int] = []
         self.result: GenerationResult | None = None
@@ -127,8 +136,10 @@ class TokenStream:
         self._parts.append(chunk.text)
         self._ids.extend(chunk.token_ids)
         if chunk.finish_reason is not None and chunk.stats is not None:
+            text = "".join(self._parts)
+            parsed = self._parse(text, chunk.finish_reason) if self._parse else None
             self.result = GenerationResult(
-                "".join(self._parts), tuple(self._ids), chunk.finish_reason, chunk.stats
+                text, tuple(self._ids), chunk.finish_reason, chunk.stats, parsed
             )
         return chunk
 
@@ -165,7 +176,12 @@ def check_request(backend: Backend, prompt: Sequence[int], config: SamplingConfi
             "(with room for at least one new token); shorten the prompt or load the model "
             "with a larger context_length"
         )
-    return Sampler(config, backend.tokenizer.n_vocab)
+    sampler = Sampler(config, backend.tokenizer.n_vocab)
+    if config.response_format is not None:  # an invalid grammar is refused here, before work
+        from .structured import compile_constraint
+
+        sampler.constraint = compile_constraint(config.response_format, backend.tokenizer)
+    return sampler
 
 
 def _slide(backend: Backend, history: KVHistory, token: int, keep: int) -> np.ndarray:
@@ -213,14 +229,27 @@ def run(
     generated: list[int] = []
     unsent: list[int] = []  # ids whose text has not been handed out yet
     tail = ""
+    constraint = sampler.constraint
     while True:
         if cancel.is_set():
             finish: FinishReason = "cancelled"
             break
+        if constraint is not None:
+            if constraint.complete:  # the grammar has ended: nothing may follow
+                finish = "stop"
+                break
+            masked = constraint.mask(logits)
+            if masked is None:  # no token of the vocabulary can continue the grammar
+                finish = "length"
+                break
+            logits = masked
         token = sampler(logits, context)
         t_last = time.perf_counter()
         if tokenizer.is_end_of_generation(token):
             finish = "stop"
+            break
+        if constraint is not None and not constraint.accept(token):
+            finish = "length"  # cannot happen with a correct mask; never hand out a bad token
             break
         generated.append(token)
         context.append(token)

@@ -116,7 +116,8 @@ class Model:
             raise InvalidRequestError(f"wait={wait!r} is invalid: expected True or False")
         sampler = generation.check_request(self._backend, ids, cfg)  # raises now, not at next()
         cancel = threading.Event()
-        return TokenStream(self._locked(ids, sampler, cancel, keep, wait), cancel)
+        parse = sampler.constraint.parse if sampler.constraint is not None else None
+        return TokenStream(self._locked(ids, sampler, cancel, keep, wait), cancel, parse)
 
     @overload
     def chat(

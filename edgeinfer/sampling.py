@@ -63,8 +63,14 @@ class SamplingConfig:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    # structured output (see edgeinfer.structured): JSON, a JSON schema, a regex, a choice or
+    # a Lark grammar; None is plain text
+    response_format: dict[str, Any] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
+        from .structured import check_response_format
+
+        object.__setattr__(self, "response_format", check_response_format(self.response_format))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is None:
@@ -183,6 +189,7 @@ class Sampler:
                 "least one token allowed"
             )
         self._needs_copy = bool(self._bias_ids.size) or config.repetition_penalty != 1.0
+        self.constraint: Any = None  # a structured.Constraint when response_format is set
         self._temperature = np.float32(max(config.temperature, _FLOAT32_TINY))
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:

@@ -26,7 +26,6 @@ _REFUSED = {
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0),
     "echo": (None, False),
@@ -153,7 +152,7 @@ def _common(body: Any, length_keys: tuple[str, ...]) -> dict[str, Any]:
         if sampling["top_p"] == 0.0:
             raise bad("top_p", "must be greater than 0")
     if body.get("seed") is not None:
-        sampling["seed"] = _integer(body, "seed", -(2**63))
+        sampling["seed"] = _integer(body, "seed", 0)
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
@@ -166,6 +165,8 @@ def _common(body: Any, length_keys: tuple[str, ...]) -> dict[str, Any]:
         sampling["stop"] = tuple(stops)
     if body.get("logit_bias") is not None:
         sampling["logit_bias"] = _logit_bias(body["logit_bias"])
+    if body.get("response_format") is not None:  # checked by SamplingConfig (400 if bad)
+        sampling["response_format"] = body["response_format"]
     return {"model": model, "stream": stream, "include_usage": include_usage, "sampling": sampling}
 
 
