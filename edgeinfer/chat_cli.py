@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from .cli import format_stats, load_model, sampling_kwargs
+from .cli import format_stats, load_model, prepare_chat, sampling_kwargs
 
 HELP = "commands: /reset (new conversation), /stats (last reply's figures), /exit"
 
@@ -22,6 +25,7 @@ class ChatSession:
         self.sampling = sampling
         self.messages: list[dict[str, str]] = []
         self.last: Any = None
+        self.partial: str | None = None  # the figures of a stopped reply
         self.reset()
 
     def reset(self) -> None:
@@ -33,14 +37,27 @@ class ChatSession:
         self.messages.append({"role": "user", "content": text})
         stream = self.model.chat(self.messages, stream=True, **self.sampling)
         parts: list[str] = []
+        self.partial = None
+        start = time.perf_counter()
+        stamps: list[float] = []
+        n = 0
         try:
-            for chunk in stream:
-                parts.append(chunk.text)
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
+            with _no_echo():  # keys typed during the reply do not land inside it
+                for chunk in stream:
+                    parts.append(chunk.text)
+                    n += len(chunk.token_ids)
+                    stamps.append(time.perf_counter())
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
         except KeyboardInterrupt:
             stream.close()
             sys.stdout.write(" [stopped]")
+            ttft = (stamps[0] - start) * 1000 if stamps else 0.0
+            rate = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+            self.partial = (
+                f"stopped after {n} tok: ttft {ttft:.0f} ms, decode {rate:.1f} tok/s "
+                "(figures of the part generated)"
+            )
         finally:
             sys.stdout.write("\n")
             sys.stdout.flush()
@@ -49,8 +66,35 @@ class ChatSession:
 
     def stats_line(self) -> str:
         if self.last is None:
-            return "no figures: the last reply was stopped, or there was none"
+            return self.partial or "no figures yet: there was no reply"
         return format_stats(self.last.stats, self.last.finish_reason)
+
+
+@contextmanager
+def _no_echo() -> Iterator[None]:
+    """Terminal echo off while a reply streams, and what was typed meanwhile discarded."""
+    if not sys.stdin.isatty():
+        yield
+        return
+    try:
+        import termios
+    except ImportError:  # Windows
+        yield
+        return
+    fd = sys.stdin.fileno()
+    try:
+        saved = termios.tcgetattr(fd)
+    except termios.error:
+        yield
+        return
+    quiet = list(saved)
+    quiet[3] &= ~termios.ECHO
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcflush(fd, termios.TCIFLUSH)
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
 def _read_line() -> str | None:
@@ -59,6 +103,8 @@ def _read_line() -> str | None:
         try:
             return input(">>> " if sys.stdin.isatty() else "")
         except EOFError:
+            if sys.stdin.isatty():
+                print()  # Ctrl-D: the shell's prompt starts on a line of its own
             return None
         except KeyboardInterrupt:
             print("\n(Ctrl-D or /exit quits)", file=sys.stderr)
@@ -66,6 +112,7 @@ def _read_line() -> str | None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     with load_model(args) as model:
+        prepare_chat(model, args)
         session = ChatSession(model, args.system, sampling_kwargs(args))
         if sys.stdin.isatty():
             print(f"chatting with {args.model}; {HELP}", file=sys.stderr)

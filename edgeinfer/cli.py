@@ -91,6 +91,29 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     x.add_argument("--choice", metavar="A,B,C", help="answer with exactly one of these")
 
 
+def _add_chat_template_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--chat-template",
+        metavar="NAME|FILE",
+        help="chat format for a model that has none: chatml, llama3, gemma, or a Jinja file "
+        "(default: the model's own)",
+    )
+
+
+def prepare_chat(model: Any, args: argparse.Namespace) -> None:
+    """Set --chat-template, or refuse a model without a template before anything is asked."""
+    from .chat_templates import BUILTIN_TEMPLATES, resolve_chat_template
+
+    if args.chat_template:
+        model.use_chat_template(resolve_chat_template(args.chat_template))
+    elif model.chat_template is None:
+        raise InvalidRequestError(
+            f"{args.model} has no chat template; pass --chat-template with one of "
+            f"{', '.join(BUILTIN_TEMPLATES)} or a Jinja file, or complete plain text with "
+            f"'edgeinfer run {args.model} -p TEXT'"
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="edgeinfer",
@@ -114,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="send PROMPT as a user message through the model's chat template",
     )
+    _add_chat_template_flag(run)
     run.add_argument("--stats", action="store_true", help="print timing figures on stderr")
     run.add_argument("--json", action="store_true", help="print one JSON object instead")
     _add_sampling_flags(run)
@@ -132,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"catalog name, .gguf file or model folder (default: {catalog.DEFAULT_MODEL})",
     )
     chat.add_argument("--system", metavar="TEXT", help="system message for the conversation")
+    _add_chat_template_flag(chat)
     _add_sampling_flags(chat)
     _add_model_flags(chat)
 
@@ -306,6 +331,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     kwargs = sampling_kwargs(args)
     with load_model(args) as model:
         if args.chat:
+            prepare_chat(model, args)
             stream = model.chat([{"role": "user", "content": prompt}], stream=True, **kwargs)
         else:
             stream = model.stream(prompt, **kwargs)
@@ -329,8 +355,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 ensure_ascii=False,
             )
             sys.stdout.write("\n")
-        elif sys.stdout.isatty():
-            sys.stdout.write("\n")
+        elif not result.text.endswith("\n"):
+            sys.stdout.write("\n")  # the output ends with a newline, as a line of text
         if args.stats:
             print(format_stats(result.stats, result.finish_reason), file=sys.stderr)
     return 0
@@ -338,6 +364,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     if args.models_command == "list":
+        print(f"{'NAME':<28} {'KIND':<5} {'SIZE':>7}  {'STATUS':<11}  DESCRIPTION")
         for listed in catalog.CATALOG.values():
             present = "present" if catalog.is_present(listed) else "not fetched"
             size = f"{listed.size / 1e6:.0f} MB" if listed.size else ""

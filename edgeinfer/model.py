@@ -70,6 +70,7 @@ class Model:
         self._backend = backend
         self._chain = [dict(entry) for entry in provider_chain]
         self._tokenizer = backend.tokenizer
+        self._chat_template: str | None = None  # use_chat_template()
         self._name = name
         self._path = path
         self._format = model_format
@@ -196,10 +197,23 @@ class Model:
         """Tokens the tokenizer puts before any text (a BOS token, usually): kept on slides."""
         return len(self._tokenizer.encode("", add_special=True)) if self._slide else 0
 
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja chat template ``chat()`` renders messages with: the model's own, or the
+        one set with ``use_chat_template``; None when there is none."""
+        return self._chat_template or self._tokenizer.chat_template
+
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with ``template`` (Jinja, as in tokenizer_config.json) instead of the
+        model's own: for models that ship without one."""
+        if not isinstance(template, str) or not template.strip():
+            raise InvalidRequestError("a chat template must be a non-empty Jinja string")
+        self._chat_template = template
+
     def apply_chat_template(self, messages: Messages, *, add_generation_prompt: bool = True) -> str:
         """The prompt text the model's chat template makes of ``messages``."""
         return render_chat(
-            self._tokenizer.chat_template,
+            self.chat_template,
             messages,
             bos_token=self._tokenizer.bos_token,
             eos_token=self._tokenizer.eos_token,

@@ -1,0 +1,76 @@
+"""The CLI's rough edges, each pinned: python -m, newline-terminated output, a header on
+models list, chat templates for models without one, partial figures after a stopped reply."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CLI = [sys.executable, "-m", "edgeinfer.cli"]
+
+
+def _run(*argv: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, input=stdin, timeout=300)
+
+
+def test_python_dash_m_edgeinfer_is_the_command() -> None:
+    done = _run(sys.executable, "-m", "edgeinfer", "--version")
+    assert done.returncode == 0 and done.stdout.startswith("edgeinfer ")
+    assert _run(sys.executable, "-m", "edgeinfer", "models", "list").returncode == 0
+
+
+def test_models_list_has_a_header_row() -> None:
+    lines = _run(*CLI, "models", "list").stdout.splitlines()
+    assert lines[0].split()[:4] == ["NAME", "KIND", "SIZE", "STATUS"]
+    assert any(line.startswith("smollm2-135m-instruct") for line in lines[1:])
+
+
+def test_run_ends_its_output_with_a_newline(tiny_llama_gguf: Path) -> None:
+    done = _run(*CLI, "run", str(tiny_llama_gguf), "-p", "Hi", "-n", "5", "--threads", "1",
+                "--context-length", "128", "--temperature", "0")  # fmt: skip
+    assert done.returncode == 0 and done.stdout.endswith("\n")
+
+
+@pytest.fixture
+def no_template_model(tiny_llama_gguf: Path, tmp_path: Path) -> Path:
+    """The tiny model as a native ONNX folder whose manifest names no chat template."""
+    pytest.importorskip("onnxruntime")
+    from edgeinfer.converters.native_pipeline import write_gguf_folder
+
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    write_gguf_folder(tiny_llama_gguf, folder, max_context=128)
+    (folder / "chat_template.jinja").unlink()
+    manifest = json.loads((folder / "edgeinfer.json").read_text())
+    manifest["chat_template_file"] = None
+    (folder / "edgeinfer.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def test_chat_without_a_template_is_refused_before_prompting(no_template_model: Path) -> None:
+    done = _run(*CLI, "chat", str(no_template_model), "--threads", "1", stdin="hello\n")
+    assert done.returncode == 1
+    (line,) = done.stderr.strip().splitlines()
+    assert "has no chat template; pass --chat-template" in line and "chatml" in line
+    assert "generate()" not in line  # not the Python API
+    done = _run(*CLI, "run", str(no_template_model), "-p", "hi", "--chat", "--threads", "1")
+    assert done.returncode == 1 and "--chat-template" in done.stderr
+
+
+@pytest.mark.parametrize("template", ["chatml", "llama3", "gemma", "file"])
+def test_chat_template_flag(no_template_model: Path, tmp_path: Path, template: str) -> None:
+    name = template
+    if template == "file":
+        path = tmp_path / "t.jinja"
+        path.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+        name = str(path)
+    argv = [*CLI, "run", str(no_template_model), "-p", "hi", "--chat", "--chat-template", name]
+    done = _run(*argv, "-n", "3", "--threads", "1", "--temperature", "0")
+    assert done.returncode == 0, done.stderr
+    bad = _run(*CLI, "run", str(no_template_model), "-p", "hi", "--chat",
+               "--chat-template", "nonesuch")  # fmt: skip
+    assert bad.returncode == 1 and "neither a built-in template" in bad.stderr
