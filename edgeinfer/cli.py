@@ -350,6 +350,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     "token_ids": list(result.token_ids),
                     "finish_reason": result.finish_reason,
                     "stats": asdict(result.stats),
+                    "memory_plan": model.info.get("memory_plan"),
                 },
                 sys.stdout,
                 ensure_ascii=False,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -104,16 +106,62 @@ def cmd_devices(args: argparse.Namespace) -> int:
     return 0
 
 
+_PROBE = """
+import json, sys
+import edgeinfer
+import edgeinfer.cli  # the modules an `edgeinfer run` process holds, for the same size
+from edgeinfer.errors import EdgeInferError
+spec = json.loads(sys.stdin.read())
+try:
+    with edgeinfer.load(spec.pop("model"), **spec) as model:
+        print(json.dumps({"plan": model.info["memory_plan"]}))
+except EdgeInferError as exc:
+    print(json.dumps({"error": str(exc)}))
+"""
+
+
+def _loaded_plan(args: argparse.Namespace) -> tuple[MemoryPlan | None, str | None]:
+    """The plan `edgeinfer run` gets with the same flags: a fresh process loads the model
+    (the plan is fitted again to what the loaded weights really take) and reports it."""
+    spec = {
+        "model": str(args.model),
+        "device": args.device,
+        "allow_fallback": args.allow_fallback,
+        "memory_budget": args.memory_budget,
+        "context_length": args.context_length,
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = done.stdout.strip().splitlines()
+    try:
+        result = json.loads(lines[-1]) if lines else {}
+    except json.JSONDecodeError:
+        result = {}
+    if "plan" in result:
+        known = {f.name for f in dataclasses.fields(MemoryPlan)}
+        return MemoryPlan(**{k: v for k, v in result["plan"].items() if k in known}), None
+    if "error" in result:
+        return None, str(result["error"])
+    return None, f"the model did not load (exit {done.returncode}); run it with --debug"
+
+
 def _memory(
     source: Any, inventory: DeviceInventory, args: argparse.Namespace
 ) -> tuple[MemoryPlan | None, str | None]:
+    if not args.inventory:  # this machine: exactly what a run gets
+        return _loaded_plan(args)
     shape = shape_of(source)
     # load() computes on the physical cores by default: plan with as many threads
     kwargs: dict[str, Any] = {"threads": max(1, inventory.physical_cores or 1)}
-    if args.inventory:  # another machine: a fresh process there, its available RAM
-        kwargs.update(
-            available=inventory.available_ram, process=FRESH_PROCESS_BYTES, engine_loaded=False
-        )
+    # another machine: a fresh process there, its available RAM (nothing is loaded)
+    kwargs.update(
+        available=inventory.available_ram, process=FRESH_PROCESS_BYTES, engine_loaded=False
+    )
     try:
         plan = plan_memory(
             shape, budget=args.memory_budget, context_length=args.context_length, **kwargs

@@ -499,9 +499,10 @@ def _refusal(plan: MemoryPlan, cause: str) -> MemoryBudgetError:
         else f"process {_mb(plan.process)}, weights {_mb(plan.weights)}, engine {_mb(plan.engine)}"
     )
     return MemoryBudgetError(
-        f"the model needs {needed / 1e6:.0f} MB with a {plan.context_length}-token context but "
-        f"the budget is {plan.budget / 1e6:.0f} MB ({plan.budget_source}): {before}, KV "
-        f"cache {_mb(plan.kv_cache)}, compute {_mb(plan.compute)}; {advice}"
+        f"the model needs {_mb(needed)} with a {plan.context_length}-token context but "
+        f"the budget is {_mb(plan.budget)} ({plan.budget_source}): {before}, KV "
+        f"cache {_mb(plan.kv_cache)}, compute {_mb(plan.compute)}, headroom "
+        f"{_mb(plan.headroom)}; {advice}"
     )
 
 

@@ -74,3 +74,33 @@ def test_chat_template_flag(no_template_model: Path, tmp_path: Path, template: s
     bad = _run(*CLI, "run", str(no_template_model), "-p", "hi", "--chat",
                "--chat-template", "nonesuch")  # fmt: skip
     assert bad.returncode == 1 and "neither a built-in template" in bad.stderr
+
+
+@pytest.mark.model
+def test_devices_plans_what_run_gets(default_gguf: Path) -> None:
+    done = _run(*CLI, "devices", str(default_gguf), "--memory-budget", "300MB", "--json")
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)["memory_plan"]
+    ran = _run(*CLI, "run", str(default_gguf), "-p", "Hi", "-n", "2", "--memory-budget", "300MB",
+               "--json")  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    got = json.loads(ran.stdout)["memory_plan"]
+    assert shown["context_length"] == got["context_length"]
+    assert shown["batch_size"] == got["batch_size"]
+
+
+def test_a_refusal_adds_up(tiny_llama_gguf: Path) -> None:
+    import re
+
+    from edgeinfer.errors import MemoryBudgetError
+    from edgeinfer.loader import resolve
+    from edgeinfer.memory import plan_memory, shape_of
+
+    with pytest.raises(MemoryBudgetError) as info:
+        plan_memory(shape_of(resolve(tiny_llama_gguf)), budget="20MB", context_length=256)
+    text = str(info.value)
+    needed = int(re.search(r"needs (\d+) MB", text).group(1))
+    parts = text.split(": ", 1)[1].split(";")[0]
+    figures = [int(x) for x in re.findall(r"(\d+) MB", parts)]
+    assert "headroom" in parts
+    assert abs(sum(figures) - needed) <= len(figures)  # each part rounded to a whole MB
