@@ -310,8 +310,14 @@ def quantize_gguf(
     params.ftype = _FTYPES[quant]
     params.nthread = int(threads or 0)  # 0: llama.cpp picks the hardware threads
     last = [0]
+    reasons: list[str] = []  # what llama.cpp said went wrong, for the user's error line
 
     def on_log(text: str) -> None:
+        lowered = text.lower()
+        if any(
+            word in lowered for word in ("error", "disabled", "failed", "cannot", "unsupported")
+        ):
+            reasons.append(text.strip())
         match = _TENSOR_LINE.search(text)
         if match:
             done, total = int(match.group(1)), int(match.group(2))
@@ -324,8 +330,10 @@ def quantize_gguf(
             str(src).encode(), str(dst).encode(), llama.byref(params)
         )
     if status != 0 or not dst.is_file():
+        said = f"; llama.cpp said: {reasons[-1]}" if reasons else "; run with --debug for its log"
+        if any("requantizing" in r for r in reasons):
+            said += "; quantize from an F16/F32 GGUF or the Hugging Face folder instead"
         raise ConversionError(
-            f"llama.cpp could not quantize {src.name} to {quant} (status {status}); run with "
-            "--debug for the engine's log"
+            f"llama.cpp could not quantize {src.name} to {quant} (status {status}){said}"
         )
     return {"method": quant, "quantizer": "llama.cpp llama_model_quantize"}

@@ -104,3 +104,12 @@ def test_a_refusal_adds_up(tiny_llama_gguf: Path) -> None:
     figures = [int(x) for x in re.findall(r"(\d+) MB", parts)]
     assert "headroom" in parts
     assert abs(sum(figures) - needed) <= len(figures)  # each part rounded to a whole MB
+
+
+@pytest.mark.model
+def test_the_quantizers_reason_reaches_the_user(default_gguf: Path, tmp_path: Path) -> None:
+    done = _run(*CLI, "convert", str(default_gguf), "-o", str(tmp_path / "x.gguf"),
+                "--quant", "q4_k_m")  # fmt: skip
+    assert done.returncode == 1
+    assert "llama.cpp said:" in done.stderr and "requantizing" in done.stderr
+    assert "Traceback" not in done.stderr
