@@ -183,6 +183,11 @@ def _gib(n: int | None) -> str:
     return "?" if n is None else f"{n / 2**30:.1f} GiB"
 
 
+def _platform(inv: DeviceInventory) -> str:
+    """The platform the policy sees (jetson, apple-silicon, ...), when it adds something."""
+    return "" if inv.platform in (inv.os, "") else f" ({inv.platform})"
+
+
 def _rows(inv: DeviceInventory) -> list[tuple[str, str]]:
     gpus = ", ".join(
         g.name + (f" ({_gib(g.memory_bytes)})" if g.memory_bytes else "") for g in inv.gpus
@@ -196,7 +201,7 @@ def _rows(inv: DeviceInventory) -> list[tuple[str, str]]:
     if inv.onnxruntime_version is not None:
         ort = f"{inv.onnxruntime_version}: {', '.join(inv.ort_providers)}"
     rows = [
-        ("system", f"{inv.os} {inv.os_release} {inv.arch} ({inv.platform})"),
+        ("system", f"{inv.os} {inv.os_release} {inv.arch}" + _platform(inv)),
         ("board", inv.board or "-"),
         ("cpu", f"{inv.cpu_model}, {inv.physical_cores} cores / {inv.logical_cores} threads"),
         ("features", " ".join(inv.cpu_features) or "-"),

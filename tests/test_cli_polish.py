@@ -113,3 +113,10 @@ def test_the_quantizers_reason_reaches_the_user(default_gguf: Path, tmp_path: Pa
     assert done.returncode == 1
     assert "llama.cpp said:" in done.stderr and "requantizing" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_devices_says_each_thing_once() -> None:
+    out = _run(*CLI, "devices").stdout
+    system = next(line for line in out.splitlines() if line.startswith("system"))
+    words = system.split()[1:]
+    assert len(words) == len(set(words)), system
