@@ -412,9 +412,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Speaker(logging.Formatter):
+    """Each line says who said it: the engines' own log lines are not edgeinfer's."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        who = "llama.cpp" if record.name.endswith("llama_cpp.engine") else "edgeinfer"
+        return f"{who}: {record.getMessage()}"
+
+
 def _configure_logging(args: argparse.Namespace) -> None:
     level = logging.DEBUG if args.debug else logging.INFO if args.verbose else logging.WARNING
-    logging.basicConfig(level=level, format="edgeinfer: %(message)s", stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Speaker())
+    logging.basicConfig(level=level, handlers=[handler])
     if not args.debug:  # the engine's own log is only for --debug
         logging.getLogger("edgeinfer.runtimes.llama_cpp.engine").setLevel(logging.WARNING)
 

@@ -120,3 +120,11 @@ def test_devices_says_each_thing_once() -> None:
     system = next(line for line in out.splitlines() if line.startswith("system"))
     words = system.split()[1:]
     assert len(words) == len(set(words)), system
+
+
+def test_engine_lines_are_not_edgeinfers(tiny_llama_gguf: Path) -> None:
+    done = _run(*CLI, "--debug", "run", str(tiny_llama_gguf), "-p", "Hi", "-n", "2",
+                "--threads", "1", "--context-length", "64")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    engine = [line for line in done.stderr.splitlines() if "llama_model_loader" in line]
+    assert engine and all(line.startswith("llama.cpp: ") for line in engine)
