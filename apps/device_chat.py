@@ -30,11 +30,20 @@ def main() -> int:
             question = line.strip()
             if not question:
                 continue
-            result = model.chat(
-                [{"role": "user", "content": question}],
-                max_new_tokens=args.max_new_tokens,
-                temperature=0,
-            )
+            try:
+                if model.chat_template is None:  # a base model: complete the text as it is
+                    result = model.generate(
+                        question, max_new_tokens=args.max_new_tokens, temperature=0
+                    )
+                else:
+                    result = model.chat(
+                        [{"role": "user", "content": question}],
+                        max_new_tokens=args.max_new_tokens,
+                        temperature=0,
+                    )
+            except edgeinfer.EdgeInferError as exc:
+                print(json.dumps({"question": question, "error": str(exc)}), flush=True)
+                continue
             record = {
                 "question": question,
                 "answer": result.text,
