@@ -1,0 +1,100 @@
+"""apps/desktop_chat.py for real, in a virtual X display (Xvfb): load, type a question, press
+Send, see text stream in, press Stop, take a screenshot; a missing model shows in the window."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+APPS = Path(__file__).resolve().parents[1] / "apps"
+
+
+@pytest.fixture(scope="module")
+def display() -> Iterator[str]:
+    if shutil.which("Xvfb") is None:
+        pytest.skip("Xvfb is not installed (apt-get install xvfb); .ci/run installs it")
+    pytest.importorskip("tkinter")
+    number = 90 + os.getpid() % 50
+    name = f":{number}"
+    server = subprocess.Popen(
+        ["Xvfb", name, "-screen", "0", "1024x768x24", "-nolisten", "tcp"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 20
+    while not Path(f"/tmp/.X11-unix/X{number}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    old = os.environ.get("DISPLAY")
+    os.environ["DISPLAY"] = name
+    try:
+        yield name
+    finally:
+        if old is None:
+            os.environ.pop("DISPLAY", None)
+        else:
+            os.environ["DISPLAY"] = old
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def _window(model: str, **load: object) -> tuple[object, object]:
+    import tkinter as tk
+
+    sys.path.insert(0, str(APPS))
+    try:
+        from desktop_chat import ChatWindow
+    finally:
+        sys.path.pop(0)
+    root = tk.Tk()
+    return root, ChatWindow(root, model, **load)
+
+
+def _pump(root: object, until: Callable[[], bool], timeout: float = 120) -> float:
+    """Run the window's event loop until ``until()``; the longest gap between two passes."""
+    deadline = time.monotonic() + timeout
+    longest, last = 0.0, time.monotonic()
+    while not until():
+        assert time.monotonic() < deadline, "timed out waiting for the window"
+        root.update()  # type: ignore[attr-defined]
+        now = time.monotonic()
+        longest, last = max(longest, now - last), now
+        time.sleep(0.01)
+    return longest
+
+
+@pytest.mark.model
+def test_send_stream_stop_and_screenshot(display: str, default_gguf: Path, tmp_path: Path) -> None:
+    root, app = _window(str(default_gguf), threads=2, context_length=1024)
+    freeze = _pump(root, lambda: "context" in app.status.get())  # type: ignore[attr-defined]
+    assert freeze < 0.5  # the window kept answering while the model loaded
+    app.entry.insert(0, "Tell me about the history of Paris.")  # type: ignore[attr-defined]
+    app.send_button.invoke()  # type: ignore[attr-defined]
+    _pump(root, lambda: len(app.transcript().split("Model: ", 1)[-1].strip()) > 20)  # type: ignore[attr-defined]
+    app.stop_button.invoke()  # type: ignore[attr-defined]
+    _pump(root, lambda: "tok/s" in app.status.get())  # type: ignore[attr-defined]
+    assert "(stopped)" in app.status.get() or "tokens" in app.status.get()  # type: ignore[attr-defined]
+    assert "You: Tell me about the history of Paris." in app.transcript()  # type: ignore[attr-defined]
+    root.update()  # type: ignore[attr-defined]
+    from PIL import ImageGrab
+
+    shot = ImageGrab.grab(xdisplay=display)
+    target = Path(os.environ.get("EDGEINFER_SCREENSHOT", tmp_path / "desktop-chat.png"))
+    shot.crop((0, 0, 720, 480)).save(target)
+    colors = shot.crop((0, 0, 720, 480)).convert("L").getextrema()
+    assert colors[1] - colors[0] > 100  # text on the window, not a blank screen
+    app.close()  # type: ignore[attr-defined]
+    assert app.model is None  # type: ignore[attr-defined]
+
+
+def test_a_missing_model_is_shown_in_the_window(display: str, tmp_path: Path) -> None:
+    root, app = _window(str(tmp_path / "missing.gguf"))
+    _pump(root, lambda: "cannot load" in app.status.get(), timeout=30)  # type: ignore[attr-defined]
+    assert "no such file" in app.transcript()  # type: ignore[attr-defined]
+    assert str(app.send_button["state"]) == "disabled"  # type: ignore[attr-defined]
+    app.close()  # type: ignore[attr-defined]
