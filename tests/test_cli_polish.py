@@ -128,3 +128,52 @@ def test_engine_lines_are_not_edgeinfers(tiny_llama_gguf: Path) -> None:
     assert done.returncode == 0, done.stderr
     engine = [line for line in done.stderr.splitlines() if "llama_model_loader" in line]
     assert engine and all(line.startswith("llama.cpp: ") for line in engine)
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a Linux pseudo-terminal")
+def test_chat_in_a_terminal_keeps_typing_out_of_replies(default_gguf: Path) -> None:
+    """In a real (pseudo-)terminal: keys typed during a reply are neither echoed into it nor
+    read as the next message, and Ctrl-D leaves the shell a fresh line."""
+    import os
+    import pty
+    import select
+    import time
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [*CLI, "chat", str(default_gguf), "--temperature", "0.8", "--seed", "3", "-n", "300",
+         "--threads", "2", "--context-length", "1024"],
+        stdin=slave, stdout=slave, stderr=slave, close_fds=True,
+    )  # fmt: skip
+    os.close(slave)
+    seen = b""
+
+    def read_for(seconds: float) -> None:
+        nonlocal seen
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            ready, _, _ = select.select([master], [], [], 0.05)
+            if ready:
+                try:
+                    seen += os.read(master, 4096)
+                except OSError:
+                    return
+
+    deadline = time.monotonic() + 120
+    while b">>> " not in seen and time.monotonic() < deadline:
+        read_for(0.2)
+    os.write(master, b"Write a long story about a dragon.\r")
+    start = len(seen)
+    while len(seen) < start + 120 and time.monotonic() < deadline:
+        read_for(0.1)
+    os.write(master, b"TYPED-DURING-REPLY")  # while the reply streams
+    while seen.count(b">>> ") < 2 and time.monotonic() < deadline:
+        read_for(0.2)
+    os.write(master, b"\x04")  # Ctrl-D at the prompt
+    proc.wait(timeout=60)
+    read_for(0.5)
+    os.close(master)
+    assert proc.returncode == 0
+    assert b"TYPED-DURING-REPLY" not in seen  # not echoed, not sent as a message
+    assert seen.endswith(b"\r\n") or seen.endswith(b"\n")
