@@ -72,12 +72,16 @@ def cmd_devices(args: argparse.Namespace) -> int:
     plan = None
     source_text = ""
     if args.model:
-        from .loader import resolve
+        from .loader import _catalog_gguf, _onnx_route, resolve
 
         source = resolve(args.model)
-        source_text = f"{source.name} ({source.format})"
+        model_format = source.format
+        if _catalog_gguf(args.model, source) and _onnx_route(args.device):
+            model_format = "onnx"  # load() runs it through its ONNX graph, built once
+        shown = source.format if model_format == source.format else "gguf, run as onnx"
+        source_text = f"{source.name} ({shown})"
         plan = plan_providers(
-            inventory, source.format, args.device, allow_fallback=args.allow_fallback
+            inventory, model_format, args.device, allow_fallback=args.allow_fallback
         )
         memory, memory_error = _memory(source, inventory, args)
     if args.json:
@@ -102,7 +106,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
             print(f"  context {memory.context_length} tokens, batch {memory.batch_size}")
             print(f"  {memory.describe()}")
         else:
-            print(f"  does not fit: {memory_error}")
+            print(f"  none: {memory_error}")  # the budget, or a load that failed
     return 0
 
 

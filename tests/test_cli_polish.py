@@ -177,3 +177,13 @@ def test_chat_in_a_terminal_keeps_typing_out_of_replies(default_gguf: Path) -> N
     assert proc.returncode == 0
     assert b"TYPED-DURING-REPLY" not in seen  # not echoed, not sent as a message
     assert seen.endswith(b"\r\n") or seen.endswith(b"\n")
+
+
+@pytest.mark.model
+def test_devices_plans_the_route_run_takes_for_an_npu(default_gguf: Path) -> None:
+    """A catalog GGUF asked for an ONNX-only device runs through its ONNX graph: devices
+    shows that plan, not llama.cpp's refusal."""
+    done = _run(*CLI, "devices", "smollm2-135m-instruct", "--device", "npu", "--allow-fallback")
+    assert done.returncode == 0, done.stderr
+    assert "(gguf, run as onnx), device=npu" in done.stdout
+    assert "CPUExecutionProvider: fallback" in done.stdout
