@@ -28,8 +28,9 @@ from typing import Any
 from edgeinfer.errors import ConversionError
 from edgeinfer.gguf_file import read_gguf_header
 
+from .gguf_tokenizer import TOKENIZER_CHECK_TEXT
+
 __all__ = [
-    "VOCAB_CHECK_TEXT",
     "GGUFVocabulary",
     "check_against_llama_cpp",
     "read_gguf_vocabulary",
@@ -38,11 +39,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# ASCII, digits, accents, CJK, emoji, whitespace runs: the text the ids are checked on
-VOCAB_CHECK_TEXT = (
-    "Hello world! The quick brown fox, 1234567 apples; Café naïve résumé crème brûlée. "
-    "你好\uff0c世界。こんにちは、世界\uff01 Emoji: 🙂🎉🍎 and tabs\tand\nnew lines  double  spaces."
-)
 
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 _SPM_SPACE = "\u2581"
@@ -320,7 +316,7 @@ def write_tokenizer_files(vocab: GGUFVocabulary, folder: Path) -> None:
 
 
 def check_against_llama_cpp(
-    gguf: Path, folder: Path, text: str = VOCAB_CHECK_TEXT
+    gguf: Path, folder: Path, text: str = TOKENIZER_CHECK_TEXT
 ) -> dict[str, Any]:
     """Tokenize ``text`` with the written tokenizer.json and with llama.cpp on ``gguf``.
     Returns the report entry; raises ConversionError when the ids differ. Without

@@ -4,6 +4,7 @@ checked against llama.cpp on the same file. No torch, transformers or optimum.""
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -46,7 +47,7 @@ def write_gguf_folder(
         on_progress=on_progress,
     )
     write_tokenizer_files(vocab, folder)
-    shape = gguf_shape(read_gguf_header(src))
+    shape = report.shape
     manifest = Manifest(
         format="onnx",
         model_file="model.onnx",
@@ -196,19 +197,15 @@ def _finish(cfg: ConvertConfig, report: dict[str, Any], stage: Any) -> None:
 
 def _validate(cfg: ConvertConfig, folder: Path, manifest: Manifest, stage: Any) -> dict[str, Any]:
     import edgeinfer
-    from edgeinfer.errors import BackendUnavailableError
-    from edgeinfer.runtimes.llama_cpp import _engine
+    from edgeinfer.loader import llama_cpp_installed
 
-    from .validate import ModelReference, compare
+    from .validate import ModelReference, compare, open_result
 
-    try:
-        _engine()
-    except BackendUnavailableError:
+    if not llama_cpp_installed():
         return {
             "skipped": "answers not compared: llama.cpp, the reference for a GGUF source, is "
             "not installed (pip install 'edgeinfer[gguf]')"
         }
-    from .validate import open_result
 
     try:
         with (
@@ -233,16 +230,9 @@ def _bytes_needed(header: Any, quant: str) -> int:
     """The graph's data file at its largest: 5-bit blocks are stored in 8 bits (x1.6 of the
     GGUF at worst), int8 about the same, fp32 four bytes a weight."""
     if quant == "fp32":
-        weights = sum(_elements(t.shape) for t in header.tensors)
+        weights = sum(math.prod(t.shape) for t in header.tensors)
         return 4 * weights
     return int(header.weight_nbytes * 1.7)
-
-
-def _elements(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 class _TensorBar:

@@ -63,6 +63,7 @@ class BuildReport:
     nbits: dict[str, int]  # "4-bit/32" -> tensors
     widened: dict[str, str]  # tensor -> why it is stored as floats
     max_context: int
+    shape: Shape
 
 
 @dataclass(frozen=True)
@@ -315,7 +316,7 @@ def _build(
     shape = gguf_shape(header)
     progress = tensors.on_read
     context = min(max_context or shape.context, shape.context)
-    report = BuildReport(header.architecture, shape.layers, {}, {}, context)
+    report = BuildReport(header.architecture, shape.layers, {}, {}, context, shape)
     g = _Graph(data, "model.onnx.data")
 
     def need(name: str) -> TensorInfo:

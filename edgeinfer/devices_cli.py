@@ -72,11 +72,11 @@ def cmd_devices(args: argparse.Namespace) -> int:
     plan = None
     source_text = ""
     if args.model:
-        from .loader import _catalog_gguf, _onnx_route, resolve
+        from .loader import resolve, runs_as_onnx
 
         source = resolve(args.model)
         model_format = source.format
-        if _catalog_gguf(args.model, source) and _onnx_route(args.device):
+        if runs_as_onnx(args.model, source, args.device):
             model_format = "onnx"  # load() runs it through its ONNX graph, built once
         shown = source.format if model_format == source.format else "gguf, run as onnx"
         source_text = f"{source.name} ({shown})"

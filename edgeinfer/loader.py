@@ -86,7 +86,7 @@ def load(
         flash_attention=flash_attention,
     )
     source = resolve(model)
-    if _catalog_gguf(model, source) and _onnx_route(device):
+    if runs_as_onnx(model, source, device):
         source = transcoded_catalog_model(source)
     shape = shape_of(source)
     memory = plan_memory(
@@ -124,6 +124,11 @@ _GGUF_DEVICES = ("auto", "cpu", "cuda", "metal", "gpu")  # the rest are ONNX Run
 
 def llama_cpp_installed() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
+
+
+def runs_as_onnx(model: str | PathLike[str], source: ModelSource, device: str) -> bool:
+    """Whether ``load()`` runs this catalog GGUF through its ONNX graph (see _onnx_route)."""
+    return _catalog_gguf(model, source) and _onnx_route(device)
 
 
 def _catalog_gguf(model: str | PathLike[str], source: ModelSource) -> bool:

@@ -168,3 +168,21 @@ def tiny_gemma_onnx(tiny_gemma_hf: Path, tmp_path_factory: pytest.TempPathFactor
     out = tmp_path_factory.mktemp("tiny-gemma-onnx") / "fp32"
     convert(tiny_gemma_hf, out, quant="fp32", min_top1_agreement=0.0, min_greedy_agreement=0.0)
     return out
+
+
+@pytest.fixture
+def no_template_model(tiny_llama_gguf: Path, tmp_path: Path) -> Path:
+    """The tiny model as a native ONNX folder whose manifest names no chat template."""
+    pytest.importorskip("onnxruntime")
+    import json
+
+    from edgeinfer.converters.native_pipeline import write_gguf_folder
+
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    write_gguf_folder(tiny_llama_gguf, folder, max_context=128)
+    (folder / "chat_template.jinja").unlink()
+    manifest = json.loads((folder / "edgeinfer.json").read_text())
+    manifest["chat_template_file"] = None
+    (folder / "edgeinfer.json").write_text(json.dumps(manifest))
+    return folder

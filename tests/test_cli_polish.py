@@ -35,22 +35,6 @@ def test_run_ends_its_output_with_a_newline(tiny_llama_gguf: Path) -> None:
     assert done.returncode == 0 and done.stdout.endswith("\n")
 
 
-@pytest.fixture
-def no_template_model(tiny_llama_gguf: Path, tmp_path: Path) -> Path:
-    """The tiny model as a native ONNX folder whose manifest names no chat template."""
-    pytest.importorskip("onnxruntime")
-    from edgeinfer.converters.native_pipeline import write_gguf_folder
-
-    folder = tmp_path / "plain"
-    folder.mkdir()
-    write_gguf_folder(tiny_llama_gguf, folder, max_context=128)
-    (folder / "chat_template.jinja").unlink()
-    manifest = json.loads((folder / "edgeinfer.json").read_text())
-    manifest["chat_template_file"] = None
-    (folder / "edgeinfer.json").write_text(json.dumps(manifest))
-    return folder
-
-
 def test_chat_without_a_template_is_refused_before_prompting(no_template_model: Path) -> None:
     done = _run(*CLI, "chat", str(no_template_model), "--threads", "1", stdin="hello\n")
     assert done.returncode == 1

@@ -79,19 +79,8 @@ def test_sigterm_mid_reply_ends_it_and_exits_0(default_gguf: Path) -> None:
     assert "Traceback" not in err
 
 
-def test_device_chat_answers_a_model_without_a_chat_template(
-    tiny_llama_gguf: Path, tmp_path: Path
-) -> None:
-    pytest.importorskip("onnxruntime")
-    from edgeinfer.converters.native_pipeline import write_gguf_folder
-
-    folder = tmp_path / "plain"
-    folder.mkdir()
-    write_gguf_folder(tiny_llama_gguf, folder, max_context=128)
-    (folder / "chat_template.jinja").unlink()
-    manifest = json.loads((folder / "edgeinfer.json").read_text())
-    manifest["chat_template_file"] = None
-    (folder / "edgeinfer.json").write_text(json.dumps(manifest))
+def test_device_chat_answers_a_model_without_a_chat_template(no_template_model: Path) -> None:
+    folder = no_template_model
     app = SERVICE.parent / "device_chat.py"
     done = subprocess.run(
         [sys.executable, str(app), "--model", str(folder), "--max-new-tokens", "3"],

@@ -57,8 +57,7 @@ class _Admission:
     def release(self, stream: TokenStream) -> None:
         with self._lock:
             self.streams.discard(stream)
-            self._active -= 1
-            self._idle.notify_all()
+        self.leave()
 
     def drain(self, timeout: float) -> bool:
         """Cancel every admitted request and wait until none runs; False on timeout."""
