@@ -108,7 +108,7 @@ def parse_json(
     except RecursionError as exc:
         raise error(f"{what} is nested too deeply (at most {max_depth} levels)") from exc
     except ValueError as exc:
-        raise error(f"{what} is not valid JSON: {exc}") from exc
+        raise error(f"{what} is not JSON: {exc}") from exc
     if unholdable or _SURROGATE_ESCAPE.search(raw):  # the walk is needed only then
         _check_values(value, what, error)
     return value
