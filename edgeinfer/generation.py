@@ -3,10 +3,16 @@
 One request: match the prompt against the tokens already in the KV cache, rewind to the
 common prefix, prefill the rest, then sample -> detokenize -> decode until EOS, a stop string,
 ``max_new_tokens``, a full context or a cancel.
+
+Under a ``response_format`` the grammar ends the reply (``stop``) and stop strings do not
+apply; a grammar failure after the first token (an llguidance limit met on this path, or
+``logit_bias`` banning every token the grammar allows) raises ``InvalidRequestError`` from
+the stream instead of ending it with a finish_reason, so a cut reply never looks finished.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -180,7 +186,10 @@ def check_request(backend: Backend, prompt: Sequence[int], config: SamplingConfi
     if config.response_format is not None:  # an invalid grammar is refused here, before work
         from .structured import compile_constraint
 
-        sampler.constraint = compile_constraint(config.response_format, backend.tokenizer)
+        constraint = compile_constraint(config.response_format, backend.tokenizer)
+        constraint.ban([i for i, bias in config.logit_bias if bias == -math.inf])
+        constraint.allowed()  # refuses a first step whose every allowed token is banned
+        sampler.constraint = constraint
     return sampler
 
 
@@ -218,7 +227,10 @@ def run(
     their new positions."""
     tokenizer = backend.tokenizer
     config = sampler.config
-    detok = IncrementalDetokenizer(tokenizer.token_bytes, config.stop)
+    constraint = sampler.constraint
+    # Under a response_format the grammar decides where the reply ends: a stop string
+    # would cut it mid-value and call that "stop", so stop strings do not apply.
+    detok = IncrementalDetokenizer(tokenizer.token_bytes, config.stop if constraint is None else ())
     t_start = time.perf_counter()
     reused = history.reuse(backend, prompt)
     logits = backend.prefill(prompt[reused:])
@@ -229,7 +241,6 @@ def run(
     generated: list[int] = []
     unsent: list[int] = []  # ids whose text has not been handed out yet
     tail = ""
-    constraint = sampler.constraint
     while True:
         if cancel.is_set():
             finish: FinishReason = "cancelled"
@@ -238,19 +249,17 @@ def run(
             if constraint.complete:  # the grammar has ended: nothing may follow
                 finish = "stop"
                 break
-            masked = constraint.mask(logits)
-            if masked is None:  # no token of the vocabulary can continue the grammar
-                finish = "length"
-                break
-            logits = masked
+            # raises InvalidRequestError (the stream ends with it, never with a finish that
+            # looks clean) when the engine meets one of its limits, nothing can follow, or
+            # logit_bias bans every allowed token
+            logits = constraint.mask(logits)
         token = sampler(logits, context)
         t_last = time.perf_counter()
         if tokenizer.is_end_of_generation(token):
             finish = "stop"
             break
-        if constraint is not None and not constraint.accept(token):
-            finish = "length"  # cannot happen with a correct mask; never hand out a bad token
-            break
+        if constraint is not None:
+            constraint.accept(token)  # raises, as mask() does, rather than hand out a bad token
         generated.append(token)
         context.append(token)
         unsent.append(token)

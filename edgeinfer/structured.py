@@ -12,6 +12,16 @@
 The grammar engine is llguidance (the ``structured`` extra), imported only when a request
 asks for a format. One implementation serves every backend: edgeinfer samples in its own
 loop, so the mask is applied there.
+
+llguidance is native code: a structure deep or long enough overflows its stack (a
+segmentation fault, measured: a chain of ~3,000 ``$ref`` or Lark rules on an 8 MiB stack, 300
+on 1 MiB), and a repetition count large enough meets its own limits only once generation has
+started. So every format is bounded before it is compiled, one function per kind
+(:func:`check_schema`, :func:`check_regex`, :func:`check_grammar`, :func:`check_choices`, in
+structured_bounds.py, with the measured limits), the compile runs on a thread of its own with
+a large stack, and the first steps of the grammar are
+tried before the request is accepted: every failure is an ``InvalidRequestError`` before any
+token.
 """
 
 from __future__ import annotations
@@ -19,13 +29,27 @@ from __future__ import annotations
 import json
 import threading
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
 from .errors import BackendUnavailableError, InvalidRequestError
+from .structured_bounds import check_choices, check_grammar, check_regex, check_schema
 
-__all__ = ["Constraint", "check_response_format", "compile_constraint"]
+__all__ = [
+    "Constraint",
+    "check_choices",
+    "check_grammar",
+    "check_regex",
+    "check_response_format",
+    "check_schema",
+    "compile_constraint",
+]
+
+_COMPILE_STACK_BYTES = 256 * 2**20  # reserved address space; only what is touched is used
+_stack_lock = threading.Lock()
+_T = TypeVar("_T")
 
 _JSON_KINDS = frozenset({"json_object", "json_schema"})
 _KINDS = ("text", "json_object", "json_schema", "regex", "choice", "grammar")
@@ -34,7 +58,8 @@ _tokenizers_lock = threading.Lock()
 
 
 def check_response_format(value: Any) -> dict[str, Any] | None:
-    """``value`` as a checked response_format (a plain dict), or None for plain text."""
+    """``value`` as a checked response_format (a plain dict), or None for plain text; its
+    schema, pattern, grammar or choices bounded by the kind's check."""
     if value is None:
         return None
     if not isinstance(value, dict) or value.get("type") not in _KINDS:
@@ -53,18 +78,13 @@ def check_response_format(value: Any) -> dict[str, Any] | None:
                 'response_format json_schema needs {"json_schema": {"name": ..., "schema": '
                 "{...}}} with the schema as an object"
             )
-    elif kind == "regex" and not (isinstance(value.get("pattern"), str) and value["pattern"]):
-        raise InvalidRequestError("response_format regex needs a non-empty string pattern")
+        check_schema(schema)
+    elif kind == "regex":
+        check_regex(value.get("pattern"))
     elif kind == "choice":
-        choices = value.get("choices")
-        if not (
-            isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)
-        ):
-            raise InvalidRequestError(
-                "response_format choice needs choices: a non-empty list of non-empty strings"
-            )
-    elif kind == "grammar" and not (isinstance(value.get("lark"), str) and value["lark"]):
-        raise InvalidRequestError("response_format grammar needs a non-empty Lark grammar (lark)")
+        check_choices(value.get("choices"))
+    elif kind == "grammar":
+        check_grammar(value.get("lark"))
     return dict(value)
 
 
@@ -75,14 +95,17 @@ def _grammar(fmt: dict[str, Any], llg: Any) -> str:
         if kind == "json_object":
             return str(matcher.grammar_from_json_schema({"type": "object"}))
         if kind == "json_schema":
-            return str(matcher.grammar_from_json_schema(fmt["json_schema"]["schema"]))
+            # ASCII: llguidance cuts schema excerpts in its messages at a byte count, and
+            # panics when the cut falls inside a multi-byte character
+            schema = json.dumps(fmt["json_schema"]["schema"], ensure_ascii=True)
+            return str(matcher.grammar_from_json_schema(schema))
         if kind == "regex":
             return str(matcher.grammar_from_regex(fmt["pattern"]))
         if kind == "choice":
             alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in fmt["choices"])
             return str(matcher.grammar_from_lark(f"start: {alternatives}"))
         return str(matcher.grammar_from_lark(fmt["lark"]))
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError) as exc:  # UnicodeError is a ValueError
         raise InvalidRequestError(f"response_format: {exc}") from exc
 
 
@@ -141,26 +164,82 @@ class Constraint:
         self._matcher = matcher
         self._n = n_vocab
         self._bits = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
+        self._banned: np.ndarray | None = None
         self.is_json = is_json
+        self.steps = 0  # tokens accepted so far
 
-    def mask(self, logits: np.ndarray) -> np.ndarray | None:
-        """The logits with every disallowed token at -inf (a copy), or None when the grammar
-        allows no token at all."""
-        if self._matcher.is_error():
-            return None
-        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+    def ban(self, token_ids: list[int]) -> None:
+        """Tokens logit_bias bans (-inf): a step whose every allowed token is among them is
+        refused by allowed() instead of sampling from an all -inf row."""
+        self._banned = np.asarray(sorted(token_ids), dtype=np.int64) if token_ids else None
+
+    def allowed(self) -> np.ndarray:
+        """The mask for the next token (bool [n_vocab]); InvalidRequestError when the engine
+        failed (one of its limits), no token can continue the grammar, or logit_bias bans
+        every token it allows."""
+        bits = self._bits
+        _engine_errors(lambda: self._matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes))
+        self._raise_if_error()
         allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self._n)
+        allowed = allowed.astype(bool)
         if not allowed.any():
-            return None
+            raise self._nothing()
+        if self._banned is not None:
+            allowed[self._banned[self._banned < self._n]] = False
+            if not allowed.any():
+                raise InvalidRequestError(
+                    f"logit_bias bans (-inf) every token response_format allows{self._where()}; "
+                    "unban some of them or change the format"
+                )
+        return allowed
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """The logits with every disallowed token at -inf (a copy); errors as allowed()."""
+        allowed = self.allowed()
         out = np.full(logits.shape, -np.inf, dtype=np.float32)
-        keep = np.flatnonzero(allowed)
-        keep = keep[keep < logits.shape[0]]
+        keep = np.flatnonzero(allowed[: logits.shape[0]])
         out[keep] = logits[keep]
         return out
 
-    def accept(self, token: int) -> bool:
-        """Advance past ``token``; False when the grammar cannot take it."""
-        return bool(self._matcher.consume_token(token))
+    def accept(self, token: int) -> None:
+        """Advance past ``token``; InvalidRequestError when the engine cannot take it."""
+        if not _engine_errors(lambda: self._matcher.consume_token(token), self._where()):
+            self._raise_if_error()
+            raise InvalidRequestError(
+                f"response_format: the grammar engine refused token {token}{self._where()}"
+            )
+        self.steps += 1
+
+    def _raise_if_error(self) -> None:
+        if not self._matcher.is_error():
+            return
+        if self._matcher.get_error().startswith("NoExtensionBias"):  # no byte can follow
+            raise self._nothing()
+        raise InvalidRequestError(
+            f"response_format: the grammar engine stopped{self._where()}: "
+            f"{_first_line(self._matcher.get_error())}; simplify the format (fewer "
+            "alternatives, smaller repetition counts)"
+        )
+
+    def _nothing(self) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"response_format can match nothing{self._where()}: no text (no token of the "
+            "model's vocabulary) continues it; check that the format can be satisfied"
+        )
+
+    def _where(self) -> str:
+        return f" after {self.steps} generated tokens" if self.steps else ""
+
+    def probe(self) -> None:
+        """Try the grammar's first step and, on a copy, the one after the first allowed
+        token: a format that matches nothing or meets an engine limit there is refused
+        before any token, not mid-reply."""
+        allowed = np.flatnonzero(self.allowed())
+        ahead = Constraint(self._matcher.deep_copy(), self._n, self.is_json)
+        ahead.accept(int(allowed[0]))
+        if not ahead.complete:
+            ahead.allowed()
+        ahead.steps = 0
 
     @property
     def complete(self) -> bool:
@@ -183,17 +262,82 @@ class Constraint:
 
 def compile_constraint(fmt: dict[str, Any], tokenizer: Any) -> Constraint:
     """A fresh Constraint for one request; InvalidRequestError with the engine's reason for
-    a schema, pattern or grammar it cannot compile."""
+    a schema, pattern or grammar it cannot compile or whose first steps fail.
+
+    ``fmt`` is checked again (check_response_format is idempotent and cheap), so a dict
+    changed after SamplingConfig checked it is bounded too."""
+    checked = check_response_format(fmt)
+    if checked is None:
+        raise InvalidRequestError("response_format text has no grammar to compile")
     llg = _import()
+    return _on_large_stack(lambda: _engine_errors(lambda: _compile(checked, tokenizer, llg)))
+
+
+def _engine_errors(work: Callable[[], _T], where: str = "") -> _T:
+    """``work()``, with a panic inside llguidance (pyo3's PanicException, a BaseException,
+    e.g. on some malformed schemas) refused as an InvalidRequestError."""
+    try:
+        return work()
+    except BaseException as exc:
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise InvalidRequestError(
+            f"response_format: the grammar engine failed on this format{where} "
+            f"({_first_line(str(exc))}); check the format against its kind's rules"
+        ) from exc
+
+
+def _compile(fmt: dict[str, Any], tokenizer: Any, llg: Any) -> Constraint:
     grammar = _grammar(fmt, llg)
     lltok = _lltokenizer(tokenizer, llg)
-    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, lltok)
+    limits = llg.LLParserLimits(verbose_errors=False)  # errors without the parser's state
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, lltok, limits=limits)
     if is_error:
-        raise InvalidRequestError(f"response_format is invalid: {messages[0] if messages else ''}")
-    matcher = llg.LLMatcher(lltok, grammar, log_level=0)
+        raise InvalidRequestError(
+            f"response_format is invalid: {_first_line(messages[0] if messages else '')}"
+        )
+    matcher = llg.LLMatcher(lltok, grammar, log_level=0, limits=limits)
     if matcher.is_error():
-        raise InvalidRequestError(f"response_format is invalid: {matcher.get_error()}")
-    return Constraint(matcher, tokenizer.n_vocab, fmt["type"] in _JSON_KINDS)
+        raise InvalidRequestError(f"response_format is invalid: {_first_line(matcher.get_error())}")
+    constraint = Constraint(matcher, tokenizer.n_vocab, fmt["type"] in _JSON_KINDS)
+    constraint.probe()
+    return constraint
+
+
+def _on_large_stack(work: Callable[[], _T]) -> _T:
+    """``work()`` run on a fresh thread with a _COMPILE_STACK_BYTES stack: the compiler
+    recurses over the grammar, and the caller's thread may have a small stack (2 MiB where
+    the stack limit is unlimited, less on some platforms)."""
+    outcome: list[Any] = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, work()))
+        except BaseException as exc:  # handed to the caller's thread as it is
+            outcome.append((False, exc))
+
+    with _stack_lock:  # stack_size() is process-wide: set, start, restore
+        try:
+            previous = threading.stack_size(_COMPILE_STACK_BYTES)
+        except (ValueError, RuntimeError):  # a platform that cannot set it: run here
+            return work()
+        try:
+            thread = threading.Thread(target=target, name="edgeinfer-grammar", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
+
+
+def _first_line(text: str) -> str:
+    """The engine's message on one line (its regex errors span several), cut to 300
+    characters."""
+    line = " ".join(text.replace("<non-verbose/>", "").split()) or "no reason given"
+    return line if len(line) <= 300 else line[:297] + "..."
 
 
 def _short(value: Any) -> str:
