@@ -238,7 +238,8 @@ def test_server_passes_response_format(tiny_llama_gguf: Path) -> None:
     from edgeinfer.serve.app import ServerConfig, create_app
 
     with edgeinfer.load(tiny_llama_gguf, context_length=256, threads=1) as model:
-        client = TestClient(create_app(model, ServerConfig(name="m")))
+        app = create_app(model, ServerConfig(name="m"))
+        client = TestClient(app, base_url="http://127.0.0.1")  # a Host the server answers
         for path, body in (
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
             ("/v1/completions", {"prompt": "Hi"}),

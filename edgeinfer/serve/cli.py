@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from ..errors import BackendUnavailableError, InvalidRequestError
+from .guard import allowed_hosts, check_api_key
 
 __all__ = ["add_parser", "cmd_serve"]
 
@@ -47,7 +48,17 @@ def add_parser(sub: Any, add_model_flags: Any) -> None:
     p.add_argument(
         "--cors-origin",
         metavar="ORIGIN",
-        help="allow browser requests from this origin, e.g. http://localhost:3000 (default: none)",
+        help="allow browser requests from this origin, e.g. http://localhost:3000 (default: "
+        "none: a request from any web page is refused with 403)",
+    )
+    p.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also answer requests that reach this server by NAME (their Host header); "
+        "repeatable. By default only localhost, loopback addresses and the --host address "
+        "are answered, so a web page cannot reach the server through a DNS name of its own",
     )
     p.add_argument(
         "--max-body-kb",
@@ -78,6 +89,8 @@ def check_settings(args: argparse.Namespace) -> None:
         raise InvalidRequestError(f"--max-queue {args.max_queue} must be 0 or more")
     if args.max_body_kb < 1:
         raise InvalidRequestError(f"--max-body-kb {args.max_body_kb} must be 1 or more")
+    check_api_key(args.api_key, "--api-key (or $EDGEINFER_API_KEY)")
+    allowed_hosts(args.host, args.allow_host)  # refuses a value that is not a host name
     if not _loopback(args.host) and not args.api_key:
         raise InvalidRequestError(
             f"--host {args.host} exposes the model beyond this machine; set --api-key KEY (or "
@@ -128,6 +141,8 @@ def cmd_serve(args: argparse.Namespace, load_model: Any) -> int:
             max_body_bytes=args.max_body_kb * 1024,
             cors_origin=args.cors_origin,
             log_json=args.log_json,
+            host=args.host,
+            allow_hosts=tuple(args.allow_host),
         )
         app = create_app(model, config)
         print(
@@ -136,20 +151,47 @@ def cmd_serve(args: argparse.Namespace, load_model: Any) -> int:
             file=sys.stderr,
             flush=True,
         )
-        server = uvicorn.Server(
-            uvicorn.Config(
-                app,
-                host=args.host,
-                port=args.port,
-                log_level="warning",
-                access_log=False,
-                timeout_graceful_shutdown=5,
-            )
-        )
-        try:
-            server.run()
-        finally:
-            if not app.state.drain(timeout=30):  # generation threads still hold the model
-                logger.warning("requests still running after 30 s; exiting without closing")
-                os._exit(1)
+        _server(uvicorn, app, args.host, args.port).run()
+        _quiet_signals()  # the model's teardown below must not be interrupted
+        if not app.state.wait_idle(timeout=30):  # generation threads still hold the model
+            logger.warning("requests still running after 30 s; exiting without closing")
+            os._exit(1)
     return 0
+
+
+def _server(uvicorn: Any, app: Any, host: str, port: int) -> Any:
+    """uvicorn's server, stopping the way a service should: the first SIGTERM or SIGINT ends
+    every request in flight at once (streams get a final event, waiting requests 503) and
+    logs one line; a repeated signal changes nothing (no forced exit mid-teardown), and the
+    process exits 0 instead of re-raising the signal."""
+
+    class Server(uvicorn.Server):  # type: ignore[misc, name-defined]
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            self.should_exit = True  # uvicorn's main loop notices within 0.1 s
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            running, waiting = app.state.shutdown()
+            print(
+                f"edgeinfer: shutting down: {running} running request(s) ended, "
+                f"{waiting} waiting request(s) answered 503",
+                file=sys.stderr,
+                flush=True,
+            )
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    return Server(config)
+
+
+def _quiet_signals() -> None:
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)

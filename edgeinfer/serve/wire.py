@@ -33,6 +33,7 @@ _REFUSED = {
     "suffix": (None, ""),
 }
 _MAX_STOPS = 4
+_INT64_MAX = 2**63 - 1  # what OpenAI's integer fields hold; beyond it no engine can take it
 
 
 class WireError(Exception):
@@ -119,8 +120,7 @@ def _common(body: Any, length_keys: tuple[str, ...]) -> dict[str, Any]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", "must be a string")
-    n = body.get("n", 1)
-    if n != 1 or isinstance(n, bool):
+    if body.get("n", 1) is not None and _integer(body, "n", 1, default=1) != 1:
         raise WireError(
             400,
             "n: only n=1 is supported (one choice per request)",
@@ -170,10 +170,11 @@ def _common(body: Any, length_keys: tuple[str, ...]) -> dict[str, Any]:
     return {"model": model, "stream": stream, "include_usage": include_usage, "sampling": sampling}
 
 
-def _integer(body: dict[str, Any], key: str, low: int) -> int:
-    value = body[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise bad(key, f"must be an integer >= {low}")
+def _integer(body: dict[str, Any], key: str, low: int, *, default: int | None = None) -> int:
+    """An integer field within [low, int64's largest]: beyond that no engine can hold it."""
+    value = body.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= _INT64_MAX:
+        raise bad(key, f"must be an integer from {low} to {_INT64_MAX}")
     return value
 
 
@@ -192,14 +193,30 @@ def _logit_bias(value: Any) -> dict[int, float]:
         raise bad("logit_bias", 'must be an object like {"50256": -100}')
     out: dict[int, float] = {}
     for key, bias in value.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            raise bad("logit_bias", f"key {key!r} is not a token id") from None
+        token = _token_id(key)
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-            raise bad("logit_bias", f"the bias of token {key} must be a number from -100 to 100")
+            raise bad(
+                "logit_bias", f"the bias of token {shown(key)} must be a number from -100 to 100"
+            )
         out[token] = float("-inf") if bias <= -100 else float(bias)
     return out
+
+
+def _token_id(key: Any) -> int:
+    """A logit_bias key: a token id written in ASCII digits (``int()`` would also take
+    spaces, underscores, signs and other scripts' digits), within int64."""
+    if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19):
+        raise bad("logit_bias", f"key {shown(key)} is not a token id (decimal digits)")
+    token = int(key)
+    if token > _INT64_MAX:
+        raise bad("logit_bias", f"key {shown(key)} is beyond the largest token id")
+    return token
+
+
+def shown(value: Any, limit: int = 40) -> str:
+    """A stranger's value for a message: quoted, escaped, and cut short."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _message(m: Any, i: int) -> dict[str, str]:
@@ -240,11 +257,12 @@ def usage(stats: GenerationStats | None) -> dict[str, Any]:
 
 
 def finish(reason: str | None) -> str | None:
-    """edgeinfer's finish reasons as OpenAI's: stop and length; a cancelled stream (its
-    client left) stops."""
+    """edgeinfer's finish reasons as OpenAI's: stop and length; and "cancelled" for a reply
+    the server cut short because it is shutting down (a client that left reads nothing), so
+    that a cut reply is never taken for a complete one. OpenAI's clients accept the value."""
     if reason is None:
         return None
-    return "length" if reason == "length" else "stop"
+    return reason if reason in ("length", "cancelled") else "stop"
 
 
 def chat_chunk(
@@ -273,3 +291,48 @@ def completion_chunk(
 
 def now() -> int:
     return int(time.time())
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How one request's replies look: a chat or a text completion, with its id."""
+
+    kind: str  # "chat" | "completion"
+    rid: str
+    model: str
+    created: int
+    include_usage: bool = False
+
+    def whole(self, text: str, reason: str | None, stats: GenerationStats) -> dict[str, Any]:
+        """The non-streamed reply."""
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish(reason)}
+        if self.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice |= {"text": text, "logprobs": None}
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage(stats),
+        }
+
+    def opening(self) -> dict[str, Any] | None:
+        """The stream's first chunk (a chat's role), or None."""
+        if self.kind != "chat":
+            return None
+        return chat_chunk(
+            self.rid, self.model, self.created, {"role": "assistant", "content": ""}, None
+        )
+
+    def chunk(self, text: str, reason: str | None) -> dict[str, Any]:
+        if self.kind == "chat":
+            delta = {"content": text} if text else {}
+            return chat_chunk(self.rid, self.model, self.created, delta, reason)
+        return completion_chunk(self.rid, self.model, self.created, text, reason)
+
+    def usage_tail(self, stats: GenerationStats | None) -> dict[str, Any]:
+        return self.chunk("", None) | {"choices": [], "usage": usage(stats)}
