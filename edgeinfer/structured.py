@@ -324,8 +324,12 @@ def _on_large_stack(work: Callable[[], _T]) -> _T:
         try:
             thread = threading.Thread(target=target, name="edgeinfer-grammar", daemon=True)
             thread.start()
+        except RuntimeError:  # no room for such a stack (a 32-bit process): the bounds hold
+            thread = None
         finally:
             threading.stack_size(previous)
+    if thread is None:
+        return work()
     thread.join()
     ok, value = outcome[0]
     if not ok:
