@@ -45,9 +45,10 @@ class GenerationReply:
         self._left = asyncio.ensure_future(_until_disconnect(receive))
         status, figures = 500, {}
         try:
-            status, figures = await self._run()
-        except _Gone:
-            status, figures = await self._client_left()
+            try:
+                status, figures = await self._run()
+            except _Gone:
+                status, figures = await self._client_left()
         except asyncio.CancelledError:  # the server stopped waiting for it (shutdown timeout)
             self.job.cancel("shutdown")
             status = 503
@@ -66,15 +67,26 @@ class GenerationReply:
     async def _next(self) -> tuple[str, Any]:
         """The job's next event; _Gone when the client leaves first."""
         assert self._left is not None
-        get = asyncio.ensure_future(self.job.events.get())
-        done, _ = await asyncio.wait({get, self._left}, return_when=asyncio.FIRST_COMPLETED)
-        if get not in done:
-            get.cancel()
+        if self._left.done():
             raise _Gone
-        event = get.result()
+        if not self.job.events.empty():  # the usual case mid-stream: no task to wait on
+            event = self.job.events.get_nowait()
+        else:
+            event = await self._wait_event()
         if event[0] in _FINAL:
             self._final = event
         return event
+
+    async def _wait_event(self) -> tuple[str, Any]:
+        assert self._left is not None
+        get = asyncio.ensure_future(self.job.events.get())
+        try:
+            await asyncio.wait({get, self._left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not get.done():  # the client left (or this task was cancelled)
+                get.cancel()
+                raise _Gone
+        return get.result()
 
     async def _run(self) -> tuple[int, dict[str, Any]]:
         what, value = await self._next()
@@ -181,8 +193,11 @@ class GenerationReply:
 
 async def _until_disconnect(receive: Any) -> None:
     """Return when the client's connection closes (the body has been read already)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    try:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # a server that cannot say: the connection counts as gone
+        return
 
 
 def _figures(result: GenerationResult | None, job: Job) -> dict[str, Any]:
