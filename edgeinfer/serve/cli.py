@@ -6,8 +6,10 @@ import argparse
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 from typing import Any
 
 from ..errors import BackendUnavailableError, InvalidRequestError
@@ -152,11 +154,19 @@ def cmd_serve(args: argparse.Namespace, load_model: Any) -> int:
             flush=True,
         )
         _server(uvicorn, app, args.host, args.port).run()
-        _quiet_signals()  # the model's teardown below must not be interrupted
         if not app.state.wait_idle(timeout=30):  # generation threads still hold the model
             logger.warning("requests still running after 30 s; exiting without closing")
             os._exit(1)
+    _ignore_stop_signals()  # the process is on its way out: a late signal must not kill it
     return 0
+
+
+def _ignore_stop_signals() -> None:
+    """Python resets handlers it installed to the default at exit (so a late SIGTERM would
+    end the process with -15 instead of 0), but keeps SIG_IGN."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _server(uvicorn: Any, app: Any, host: str, port: int) -> Any:
@@ -187,11 +197,10 @@ def _server(uvicorn: Any, app: Any, host: str, port: int) -> Any:
         access_log=False,
         timeout_graceful_shutdown=5,
     )
-    return Server(config)
-
-
-def _quiet_signals() -> None:
-    import signal
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    server = Server(config)
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn puts these handlers back when it stops, so a signal during the startup or
+        # the model's teardown only sets a flag: nothing interrupts closing the engine
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, server.handle_exit)
+    return server
