@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -270,11 +272,13 @@ class Model:
     # -- lifecycle ------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Free the engine and its KV cache; calling it again does nothing."""
+        """Free the engine and its KV cache; calling it again does nothing. A SIGINT or
+        SIGTERM arriving meanwhile takes effect once the engine is freed."""
         with self._turns.turn():
             if not self._closed:
                 self._closed = True
-                self._backend.close()
+                with _signals_held():
+                    self._backend.close()
 
     def __enter__(self) -> Model:
         return self
@@ -322,3 +326,28 @@ class Model:
                 yield chunk
         if final is not None:
             yield final
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """Python's SIGINT and SIGTERM handlers (KeyboardInterrupt, an app's own) run after the
+    block instead of inside it: an exception raised halfway through an engine's teardown
+    leaves native memory half-freed, and the next touch of it is a segmentation fault.
+    Handlers can only be swapped on the main thread, where Python runs them all."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    saved: dict[int, Any] = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(signum)
+        if callable(handler):  # SIG_DFL and SIG_IGN are the kernel's: nothing to hold
+            saved[signum] = handler
+            signal.signal(signum, lambda number, _frame: arrived.append(number))
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+        for signum in arrived:
+            saved[signum](signum, None)
