@@ -24,6 +24,7 @@ logger = logging.getLogger("edgeinfer")
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
+_MAX_SCHEMA_BYTES = 1 << 20  # a --json-schema file; the structured-output bounds apply after
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -287,13 +288,10 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def _response_format(args: argparse.Namespace) -> dict[str, Any] | None:
     if getattr(args, "json_schema", None):
+        from .bounded_json import read_json_file
+
         path = Path(args.json_schema)
-        try:
-            schema = json.loads(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise InvalidRequestError(f"--json-schema {path}: {exc.strerror or exc}") from exc
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InvalidRequestError(f"--json-schema {path} is not JSON: {exc}") from exc
+        schema = read_json_file(path, max_bytes=_MAX_SCHEMA_BYTES, error=InvalidRequestError)
         return {"type": "json_schema", "json_schema": {"name": path.stem, "schema": schema}}
     if getattr(args, "regex", None):
         return {"type": "regex", "pattern": args.regex}
