@@ -407,6 +407,16 @@ def server(tiny_llama_gguf: Path) -> Iterator[Any]:
 SERVER_CASES = 12
 
 
+def _deep_dumps(value: Any) -> str:
+    """json.dumps of a format nested past the interpreter's default recursion limit."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 20_000))
+    try:
+        return json.dumps(value, ensure_ascii=True)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
 def test_server_answers_hostile_formats_with_400_and_keeps_serving(server: Any) -> None:
     import httpx
 
@@ -427,7 +437,7 @@ def test_server_answers_hostile_formats_with_400_and_keeps_serving(server: Any) 
     with httpx.Client(timeout=120) as client:
         for fmt in formats:
             body = {"messages": messages, "max_tokens": 4, "response_format": fmt}
-            r = client.post(url, content=json.dumps(body, ensure_ascii=True))
+            r = client.post(url, content=_deep_dumps(body))
             assert r.status_code in (200, 400), (r.status_code, r.text[:500])
             if fmt in fixed:
                 assert r.status_code == 400, fmt if len(str(fmt)) < 200 else str(fmt)[:200]
