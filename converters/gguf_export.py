@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from edgeinfer.errors import ConversionError
+from edgeinfer.errors import ConversionError, ModelLoadError
 
 from .atomic import ensure_free_space
 from .gguf_tokenizer import TOKENIZER_CHECK_TEXT, read_vocab, write_vocab
@@ -302,7 +302,14 @@ def quantize_gguf(
     """Quantize the F32/F16/BF16 GGUF ``src`` to ``dst`` with llama.cpp's quantizer."""
     if quant not in LLAMA_QUANTS:
         raise ConversionError(f"llama.cpp quantization {quant!r} is not one of {LLAMA_QUANTS}")
+    from edgeinfer.gguf_checks import check_gguf_model
+    from edgeinfer.gguf_file import read_gguf_header
     from edgeinfer.runtimes.llama_cpp import _engine, engine_log_listener
+
+    try:  # llama.cpp's quantizer aborts on some inconsistent files, as its loader does
+        check_gguf_model(read_gguf_header(src), error=ConversionError)
+    except ModelLoadError as exc:
+        raise ConversionError(f"cannot quantize {src.name}: {exc}") from exc
 
     llama, _ = _engine()
     say = progress or (lambda line: logger.info("%s", line))

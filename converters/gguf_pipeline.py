@@ -42,7 +42,9 @@ def convert_gguf(cfg: ConvertConfig, *, on_stage: StageCallback | None = None) -
             f"a GGUF source can be quantized ({', '.join(LLAMA_QUANTS)}), not converted to "
             f"{quant}; give a Hugging Face folder for {quant}"
         )
-    if not from_gguf:
+    if from_gguf:  # refused before anything is written or started
+        _check_gguf_source(cfg.src)
+    else:
         _check_checkpoint(cfg.src)
     needs_f16 = not from_gguf and quant not in WRITER_TYPES
     stage = _Stages(on_stage, total=2 + int(needs_f16))
@@ -147,6 +149,17 @@ def _check_checkpoint(src: Path) -> None:
     if not src.is_dir():
         raise ConversionError(f"{src} is neither a GGUF file nor a Hugging Face model folder")
     gguf_architecture(read_model_config(src / "config.json"))
+
+
+def _check_gguf_source(src: Path) -> None:
+    from edgeinfer.errors import ModelLoadError
+    from edgeinfer.gguf_checks import check_gguf_model
+    from edgeinfer.gguf_file import read_gguf_header
+
+    try:
+        check_gguf_model(read_gguf_header(src), error=ConversionError)
+    except ModelLoadError as exc:
+        raise ConversionError(f"cannot quantize {src.name}: {exc}") from exc
 
 
 def _is_gguf(path: Path) -> bool:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from edgeinfer.errors import ConversionError
+from edgeinfer.gguf_checks import check_gguf_model
 from edgeinfer.gguf_file import read_gguf_header
 
 from .gguf_tokenizer import TOKENIZER_CHECK_TEXT
@@ -33,6 +34,7 @@ from .gguf_tokenizer import TOKENIZER_CHECK_TEXT
 __all__ = [
     "GGUFVocabulary",
     "check_against_llama_cpp",
+    "checked_tokenizer_json",
     "read_gguf_vocabulary",
     "tokenizer_json",
 ]
@@ -120,12 +122,19 @@ def read_gguf_vocabulary(path: str | Path) -> GGUFVocabulary:
     header = read_gguf_header(path, whole_arrays=_ARRAYS)
     meta = header.metadata
     name = Path(path).name
+    facts = header.token_facts
+    if facts is not None and facts.not_utf8 is not None:  # tokenizer.json holds text only
+        raise ConversionError(
+            f"{name}: tokenizer.ggml.tokens[{facts.not_utf8}] is not UTF-8 text, which "
+            "tokenizer.json cannot hold; the native builder cannot write this vocabulary"
+        )
     model = meta.get("tokenizer.ggml.model")
     if model not in ("gpt2", "llama"):
         raise ConversionError(
             f"{name}: tokenizer model {model!r} cannot be written as tokenizer.json (byte-level "
             "BPE 'gpt2' and SentencePiece 'llama' can); convert from the Hugging Face folder"
         )
+    check_gguf_model(header, error=ConversionError)  # arrays typed and sized, merges "a b"
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise ConversionError(f"{name}: the file has no token list (tokenizer.ggml.tokens)")
@@ -307,10 +316,32 @@ def _post_processor(vocab: GGUFVocabulary) -> dict[str, Any] | None:
     }
 
 
-def write_tokenizer_files(vocab: GGUFVocabulary, folder: Path) -> None:
-    """``tokenizer.json`` and, when the file has one, ``chat_template.jinja`` in ``folder``."""
-    with (folder / "tokenizer.json").open("w", encoding="utf-8") as fh:
-        json.dump(tokenizer_json(vocab), fh, ensure_ascii=False)
+def checked_tokenizer_json(vocab: GGUFVocabulary, name: str) -> str:
+    """``tokenizer.json``'s text for ``vocab``, once the tokenizers library has built a
+    tokenizer from it: a vocabulary it refuses (merges of pieces that are not tokens, ...)
+    is a ConversionError naming the file here, not a raw Exception at load."""
+    text = json.dumps(tokenizer_json(vocab), ensure_ascii=False)
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # checked again when the folder is loaded
+        return text
+    try:
+        Tokenizer.from_str(text)
+    except Exception as exc:  # the tokenizers library raises plain Exception
+        raise ConversionError(
+            f"{name}: its vocabulary cannot be written as tokenizer.json ({str(exc)[:200]}); "
+            "the file is damaged or crafted"
+        ) from exc
+    return text
+
+
+def write_tokenizer_files(vocab: GGUFVocabulary, folder: Path, document: str | None = None) -> None:
+    """``tokenizer.json`` (``document``, or made from ``vocab``) and, when the file has one,
+    ``chat_template.jinja`` in ``folder``."""
+    text = (
+        document if document is not None else json.dumps(tokenizer_json(vocab), ensure_ascii=False)
+    )
+    (folder / "tokenizer.json").write_text(text, encoding="utf-8")
     if vocab.chat_template:
         (folder / "chat_template.jinja").write_text(vocab.chat_template, encoding="utf-8")
 
@@ -323,7 +354,12 @@ def check_against_llama_cpp(
     llama-cpp-python the check is reported as not run."""
     from tokenizers import Tokenizer
 
-    ours = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids
+    try:
+        ours = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids
+    except Exception as exc:  # the tokenizers library raises plain Exception
+        raise ConversionError(
+            f"{gguf.name}: the written tokenizer.json does not load: {exc}"
+        ) from exc
     from edgeinfer.errors import BackendUnavailableError
     from edgeinfer.runtimes.llama_cpp import _engine
 
@@ -332,7 +368,10 @@ def check_against_llama_cpp(
     except BackendUnavailableError:
         logger.info("llama-cpp-python is not installed: tokenizer ids not compared")
         return {"text": text, "ids": len(ours), "checked_against": None}
-    ref = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
+    try:
+        ref = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
+    except ValueError as exc:  # llama-cpp-python: "Failed to load model from file"
+        raise ConversionError(f"{gguf.name}: llama.cpp cannot read its vocabulary: {exc}") from exc
     try:
         theirs = ref.tokenize(text.encode("utf-8"), add_bos=True, special=True)
     finally:

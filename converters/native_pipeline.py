@@ -16,7 +16,12 @@ from edgeinfer.manifest import Architecture, Manifest
 
 from .atomic import atomic_output_dir, ensure_free_space
 from .config import ConvertConfig
-from .gguf_vocab import check_against_llama_cpp, read_gguf_vocabulary, write_tokenizer_files
+from .gguf_vocab import (
+    check_against_llama_cpp,
+    checked_tokenizer_json,
+    read_gguf_vocabulary,
+    write_tokenizer_files,
+)
 from .onnx_builder import BuildReport, build_onnx_from_gguf, gguf_shape
 from .source import file_sha256
 
@@ -38,6 +43,7 @@ def write_gguf_folder(
     ``tokenizer.json`` and chat template, and ``edgeinfer.json``."""
     src, folder = Path(src), Path(folder)
     vocab = read_gguf_vocabulary(src)  # before the graph: a refused vocabulary costs nothing
+    document = checked_tokenizer_json(vocab, src.name)
     report = build_onnx_from_gguf(
         src,
         folder,
@@ -46,7 +52,7 @@ def write_gguf_folder(
         max_context=max_context,
         on_progress=on_progress,
     )
-    write_tokenizer_files(vocab, folder)
+    write_tokenizer_files(vocab, folder, document)
     shape = report.shape
     manifest = Manifest(
         format="onnx",
@@ -86,7 +92,7 @@ def convert_native(cfg: ConvertConfig, *, on_stage: Any = None) -> Any:
 
     src = cfg.src
     header = read_gguf_header(src)
-    gguf_shape(header)  # an unsupported architecture is refused before anything is written
+    gguf_shape(header)  # an unsupported or inconsistent model is refused before any writing
     ensure_free_space(cfg.out, _bytes_needed(header, str(cfg.quant)))
     stage = _Stages(on_stage, total=3)
     with atomic_output_dir(cfg.out, overwrite=cfg.overwrite) as partial:

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConversionError
+from ..gguf_checks import check_gguf_model
 from ..gguf_file import GGUFHeader, TensorInfo, read_gguf_header
 from .gguf_blocks import OFFSET_BLOCK, Q4_0, Q8_0, NBitsWeight, quantize_symmetric, transcode
 
@@ -100,6 +101,9 @@ def gguf_shape(header: GGUFHeader) -> Shape:
             f"{header.path.name}: architecture {arch!r} is not supported by the native ONNX "
             f"builder (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    check_gguf_model(
+        header, error=ConversionError, complete=True
+    )  # heads divide, shapes agree, ...
     v = header.arch_value
     hidden = int(v("embedding_length"))
     heads = int(v("attention.head_count"))
@@ -120,8 +124,8 @@ def gguf_shape(header: GGUFHeader) -> Shape:
             "sliding_window": int(v("attention.sliding_window", 0)),
             "swa_pattern": int(v("attention.sliding_window_pattern", 6)),
             "rope_base_swa": float(v("rope.freq_base_swa", 10000.0)),
-            "attention_scale": float(
-                header.metadata.get("edgeinfer.attention_scale", 1.0 / math.sqrt(per_head))
+            "attention_scale": _positive(
+                header, "edgeinfer.attention_scale", 1.0 / math.sqrt(per_head)
             ),
         }
     return Shape(
@@ -141,6 +145,13 @@ def gguf_shape(header: GGUFHeader) -> Shape:
         ),
         **extra,
     )
+
+
+def _positive(header: GGUFHeader, key: str, default: float) -> float:
+    value = header.metadata.get(key, default)
+    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+        raise ConversionError(f"{header.path.name}: {key}={value!r:.60} must be a positive number")
+    return float(value)
 
 
 class _Tensors:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgeinfer.errors import ConversionError, EdgeInferError
+from edgeinfer.gguf_checks import check_gguf_model
 from edgeinfer.gguf_file import GGUF_MAGIC, read_gguf_header
 
 from .hf_config import read_model_config
@@ -104,6 +105,9 @@ def checkpoint_from_gguf(gguf: Path, out: Path) -> SourceCheckpoint:
     """Dequantize ``gguf`` into a Hugging Face checkpoint in ``out`` (fp32 safetensors)."""
     try:
         header = read_gguf_header(gguf)
+        check_gguf_model(header, error=ConversionError)
+    except ConversionError:
+        raise
     except EdgeInferError as exc:
         raise ConversionError(f"cannot convert {gguf}: {exc}") from exc
     logger.info("dequantizing %s into a Hugging Face checkpoint", gguf.name)

@@ -7,6 +7,7 @@ file. The metadata read here also feeds the chat template and the memory planner
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import struct
 from collections.abc import Collection
@@ -54,6 +55,7 @@ _SCALAR_FORMATS = {
     12: "<d",
 }
 _STRING, _ARRAY = 8, 9
+_TOKENS = "tokenizer.ggml.tokens"
 
 # ggml tensor type -> (elements per block, bytes per block).
 GGML_BLOCK_SIZES: dict[int, tuple[int, int]] = {
@@ -108,6 +110,14 @@ class StringInfo:
 
 
 @dataclass(frozen=True)
+class TokenFacts:
+    """What llama.cpp and the builder need to know of the token strings' raw bytes."""
+
+    duplicate: tuple[int, int] | None  # the first two ids spelled the same (llama.cpp aborts)
+    not_utf8: int | None  # the first id whose bytes are not UTF-8
+
+
+@dataclass(frozen=True)
 class TensorInfo:
     name: str
     shape: tuple[int, ...]
@@ -134,6 +144,9 @@ class GGUFHeader:
     data_offset: int
     metadata: dict[str, Any] = field(repr=False)
     tensors: tuple[TensorInfo, ...] = field(repr=False)
+    # array key -> GGUF element type (kept lists lose it: a list of ints may be u8 or i32)
+    array_types: dict[str, int] = field(default_factory=dict, repr=False)
+    token_facts: TokenFacts | None = field(default=None, repr=False)
 
     @property
     def architecture(self) -> str:
@@ -155,6 +168,7 @@ class _Cursor:
         self._buf = buf
         self._path = path
         self.pos = 0
+        self.last_array_type = -1  # element type of the array read last
 
     def _need(self, n: int) -> None:
         if n < 0 or self.pos + n > len(self._buf):
@@ -221,6 +235,7 @@ class _Cursor:
         ``whole`` (the vocabulary a converter reads)."""
         element_type = self.unpack("<I")
         length = self.unpack("<Q")
+        self.last_array_type = element_type
         if element_type == _ARRAY:  # llama.cpp refuses them too
             raise self.corrupt("an array of arrays")
         if element_type != _STRING and element_type not in _SCALAR_FORMATS:
@@ -278,28 +293,68 @@ def _parse(
     # a key takes >= 12 bytes, a tensor entry >= 24: larger counts cannot fit in the file
     if n_tensors * 24 > file_size or n_kv * 12 > file_size:
         raise cur.corrupt(f"{n_tensors:,} tensors and {n_kv:,} keys cannot fit in the file")
-    metadata = _read_metadata(cur, n_kv, whole)
+    array_types: dict[str, int] = {}
+    starts: dict[str, int] = {}
+    metadata = _read_metadata(cur, n_kv, whole, array_types, starts)
     alignment = _alignment(cur, metadata)
     tensors = _read_tensor_table(cur, n_tensors, alignment)
     data_offset = -(-cur.pos // alignment) * alignment
-    header = GGUFHeader(path, version, file_size, data_offset, metadata, tensors)
+    facts = None
+    if array_types.get(_TOKENS) == _STRING:
+        facts = _token_facts(buf, starts[_TOKENS])
+    header = GGUFHeader(
+        path, version, file_size, data_offset, metadata, tensors, array_types, facts
+    )
     _check_complete(header)
     return header
 
 
-def _read_metadata(cur: _Cursor, n_kv: int, whole: frozenset[str]) -> dict[str, Any]:
+def _read_metadata(
+    cur: _Cursor,
+    n_kv: int,
+    whole: frozenset[str],
+    array_types: dict[str, int],
+    starts: dict[str, int],
+) -> dict[str, Any]:
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = cur.name("key")
         if key in metadata:
             raise cur.corrupt(f"key {key!r} appears twice")
         value_type = cur.unpack("<I")
+        starts[key] = cur.pos
         if value_type == _ARRAY and key in whole:
             metadata[key] = cur.array(whole=True)
         else:
             metadata[key] = cur.value(value_type)
+        if value_type == _ARRAY:
+            array_types[key] = cur.last_array_type
     _check_known_values(cur, metadata)
     return metadata
+
+
+def _token_facts(buf: mmap.mmap, pos: int) -> TokenFacts:
+    """Duplicates and non-UTF-8 among the token strings of the (already validated) array at
+    ``pos``, compared as llama.cpp compares them: raw bytes, an empty token read as
+    ``[EMPTY_<id>]``."""
+    (length,) = struct.unpack_from("<Q", buf, pos + 4)
+    pos += 12
+    seen: dict[bytes, int] = {}
+    duplicate: tuple[int, int] | None = None
+    not_utf8: int | None = None
+    for i in range(length):
+        (size,) = struct.unpack_from("<Q", buf, pos)
+        raw = buf[pos + 8 : pos + 8 + size] or b"[EMPTY_%d]" % i
+        pos += 8 + size
+        if duplicate is None:
+            first = seen.setdefault(raw, i)
+            duplicate = (first, i) if first != i else None
+        if not_utf8 is None and not raw.isascii():
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                not_utf8 = i
+    return TokenFacts(duplicate, not_utf8)
 
 
 def _check_known_values(cur: _Cursor, metadata: dict[str, Any]) -> None:
@@ -359,7 +414,9 @@ def _read_tensor_info(cur: _Cursor) -> TensorInfo:
 
 
 def _check_complete(header: GGUFHeader) -> None:
-    """Every tensor's data must lie inside the file; a truncated download fails here."""
+    """Every tensor's data must lie inside the file (a truncated download fails here), and no
+    two tensors may share bytes: writers lay them end to end, and a weight that aliases
+    another is a crafted file."""
     needed = header.data_offset
     for tensor in header.tensors:
         end = header.data_offset + tensor.offset + (tensor.nbytes or 0)
@@ -369,3 +426,10 @@ def _check_complete(header: GGUFHeader) -> None:
             f"{header.path}: file is truncated ({header.file_size:,} bytes, its tensors need "
             f"{needed:,}); re-download or re-convert the model"
         )
+    sized = sorted((t for t in header.tensors if t.nbytes), key=lambda t: t.offset)
+    for before, after in itertools.pairwise(sized):
+        if before.offset + (before.nbytes or 0) > after.offset:
+            raise ModelLoadError(
+                f"{header.path}: tensors {before.name!r} and {after.name!r} overlap in the "
+                "file; it is damaged or crafted — re-download or re-convert the model"
+            )

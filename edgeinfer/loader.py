@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
@@ -19,6 +20,7 @@ from . import catalog
 from .config import LoadConfig
 from .errors import BackendUnavailableError, InvalidRequestError, ModelLoadError
 from .genai_folder import GENAI_CONFIG, manifest_from_genai_folder
+from .gguf_checks import check_gguf_model
 from .gguf_file import GGUF_MAGIC, read_gguf_header
 from .inventory import devices
 from .manifest import MANIFEST_NAME, PARTIAL_MARKER, Manifest
@@ -213,7 +215,8 @@ def resolve(model: str | PathLike[str]) -> ModelSource:
         )
     if path.is_dir() and ((path / MANIFEST_NAME).exists() or (path / PARTIAL_MARKER).exists()):
         return ModelSource(path.name, path, "onnx", Manifest.read(path))
-    if path.is_dir() and (path / GENAI_CONFIG).is_file():  # onnxruntime-genai's builder
+    # onnxruntime-genai's builder; lexists: a FIFO or a symlink there is refused, not skipped
+    if path.is_dir() and os.path.lexists(path / GENAI_CONFIG):
         return ModelSource(path.name, path, "onnx", manifest_from_genai_folder(path))
     if path.is_dir():
         path = _model_in_folder(path)
@@ -257,7 +260,9 @@ def _inspect_file(path: Path, *, name: str) -> ModelSource:
     except OSError as exc:
         raise ModelLoadError(f"cannot read {path}: {exc.strerror or exc}") from exc
     if magic == GGUF_MAGIC or path.suffix.lower() == ".gguf":
-        return ModelSource(name, path, "gguf", read_gguf_header(path))
+        header = read_gguf_header(path)
+        check_gguf_model(header)  # before either engine: llama.cpp aborts on some of these
+        return ModelSource(name, path, "gguf", header)
     if path.suffix == ".onnx":
         return resolve(path.parent)
     raise ModelLoadError(

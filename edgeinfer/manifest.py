@@ -99,10 +99,15 @@ class Manifest:
                 "convert again"
             )
         path = folder / MANIFEST_NAME
+        resolve_inside(folder, MANIFEST_NAME, MANIFEST_NAME, where=str(folder))
         manifest = parse_manifest(_read_json(path), where=str(path))
-        for name, key in manifest.named_files():
-            resolve_inside(folder, name, key)
+        manifest.check_files(folder, where=str(path))
         return manifest
+
+    def check_files(self, folder: Path, *, where: str) -> None:
+        """Every file this manifest names must lie inside ``folder`` (symlinks resolved)."""
+        for name, key in self.named_files():
+            resolve_inside(folder, name, key, where=where)
 
     def named_files(self) -> list[tuple[str, str]]:
         """(file name, manifest key) of every file this manifest names."""
@@ -284,15 +289,16 @@ def resolve_inside(folder: Path, name: str, key: str, *, where: str | None = Non
     where = where or str(folder / MANIFEST_NAME)
     problem = _name_problem(name) if isinstance(name, str) else "must be a file name"
     if problem:
-        raise ModelLoadError(f"{where}: {key}={name!r} {problem}")
+        raise ModelLoadError(f"{where}: {key}={short_repr(name)} {problem}")
     try:
         root = folder.resolve()
         target = (root / name).resolve()
     except (OSError, RuntimeError, ValueError) as exc:  # symlink loops, names too long
         raise ModelLoadError(f"{where}: cannot resolve {key}={name!r}: {exc}") from exc
     if target == root or not target.is_relative_to(root):
+        # the target is not named: where a stranger's symlink points is none of our output
         raise ModelLoadError(
-            f"{where}: {key}={name!r} resolves to {target}, outside the model folder {root}; "
-            "every file a model names must lie inside its folder"
+            f"{where}: {key}={name!r} leads outside the model folder {folder} (through a "
+            "symlink); every file a model names must lie inside its folder"
         )
     return target

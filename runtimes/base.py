@@ -26,6 +26,7 @@ __all__ = [
     "aligned_chunks",
     "check_fits",
     "is_marker",
+    "tokenizer_text",
 ]
 
 TOKEN_TEXT_RULE = """Which tokens are text (the same rule for every vocabulary):
@@ -36,6 +37,16 @@ TOKEN_TEXT_RULE = """Which tokens are text (the same rule for every vocabulary):
   HTML tags), unless the text is a marker: a name in angle or square brackets that is not an
   HTML element (<start_of_image>, <unused12>, <|tool_call|>), or an upper-case name in square
   brackets ([INST], [IMG]) -- nothing."""
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def tokenizer_text(text: str) -> str:
+    """The text every backend's tokenizer reads of ``text`` (one rule for all): lone
+    surrogates (``"\\ud800"``: a Python string can hold them, UTF-8 and tokenizers cannot)
+    become U+FFFD, the replacement character, as invalid UTF-8 does when text is decoded."""
+    return _LONE_SURROGATE.sub("\ufffd", text)
+
 
 # HTML element names: user-defined tokens such as <table> or </td> are text models write.
 _HTML_ELEMENTS = frozenset(

@@ -24,10 +24,11 @@ from edgeinfer.errors import (
     InvalidRequestError,
     ModelLoadError,
 )
+from edgeinfer.gguf_checks import check_gguf_model
 from edgeinfer.gguf_file import GGUFHeader
 from edgeinfer.policy import Candidate
 
-from .base import TokenizerBase, aligned_chunks, check_fits, is_marker
+from .base import TokenizerBase, aligned_chunks, check_fits, is_marker, tokenizer_text
 
 __all__ = ["LlamaCppBackend", "LlamaCppTokenizer", "open_backend"]
 
@@ -82,6 +83,7 @@ def _engine() -> tuple[Any, Any]:
 def open_backend(
     path: Path, config: LoadConfig, header: GGUFHeader, candidate: Candidate
 ) -> LlamaCppBackend:
+    check_gguf_model(header)  # llama.cpp aborts the process on some inconsistent files
     return LlamaCppBackend(path, config, header, candidate)
 
 
@@ -116,7 +118,7 @@ class LlamaCppTokenizer(TokenizerBase):
     def encode(
         self, text: str, *, add_special: bool = True, parse_special: bool = True
     ) -> list[int]:
-        data = text.encode("utf-8", errors="replace")
+        data = tokenizer_text(text).encode("utf-8")
         capacity = len(data) + 8
         while True:
             buf = (self._llama.llama_token * capacity)()

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from edgeinfer.bounded_json import read_regular_file
 from edgeinfer.catalog import edgeinfer_home
 from edgeinfer.config import LoadConfig
 from edgeinfer.errors import (
@@ -29,7 +30,7 @@ from edgeinfer.manifest import MANIFEST_NAME, Architecture, Manifest, resolve_in
 from edgeinfer.policy import CPU_PROVIDER, Candidate
 
 from .base import aligned_chunks, check_fits
-from .onnx_external import external_data_locations
+from .onnx_external import GraphFacts, read_graph_facts
 from .tokenizer_json import JsonTokenizer
 
 __all__ = ["OrtBackend", "open_backend"]
@@ -71,7 +72,9 @@ class OrtBackend:
         self._arch = arch
         self._threads = config.resolved_threads
         self._chunk = config.batch_size or _PREFILL_CHUNK
-        self._session = self._open_session(_model_path(folder, manifest), candidate)
+        model_path, facts = _model_path(folder, manifest)
+        _check_rotary(facts.rotary_positions, arch.max_context, manifest)
+        self._session = self._open_session(model_path, candidate)
         self._n_ctx = config.context_for(arch.max_context)
         self._has_position_ids = any(i.name == "position_ids" for i in self._session.get_inputs())
         self._kv_type = np.float16 if arch.kv_dtype == "float16" else np.float32
@@ -314,12 +317,14 @@ class OrtBackend:
         self._past = []
 
 
-def _model_path(folder: Path, manifest: Manifest) -> Path:
-    """The graph's real path, once it and every external data file it names are known to lie
-    inside ``folder`` (onnxruntime before 1.24 follows ``../`` in external data locations)."""
+def _model_path(folder: Path, manifest: Manifest) -> tuple[Path, GraphFacts]:
+    """The graph's real path and facts, once it and every external data file it names are
+    known to lie inside ``folder`` (onnxruntime before 1.24 follows ``../`` in external data
+    locations)."""
     path = _regular_file(folder, manifest.model_file, "model_file")
     base = path.parent.relative_to(folder.resolve())
-    for location in external_data_locations(path):
+    facts = read_graph_facts(path)
+    for location in facts.locations:
         name = (base / location).as_posix()
         data = resolve_inside(folder, name, "external data location", where=str(path))
         if not data.is_file():
@@ -327,7 +332,23 @@ def _model_path(folder: Path, manifest: Manifest) -> Path:
                 f"{path}: its external data file {location!r} is missing or not a regular "
                 "file; the model folder is incomplete"
             )
-    return path
+    return path, facts
+
+
+def _check_rotary(rows: int | None, max_context: int, manifest: Manifest) -> None:
+    """The model's context must fit the graph's rotary cache: past it, the graph fails at
+    the first position beyond the cache, mid-reply."""
+    if rows is None or max_context <= rows:
+        return
+    field = (
+        "genai_config.json: model.context_length"
+        if manifest.source.get("kind") == "onnxruntime-genai"
+        else f"{MANIFEST_NAME}: architecture.max_context"
+    )
+    raise ModelLoadError(
+        f"{field}={max_context} is longer than the {rows} positions of the ONNX graph's rotary "
+        "cache; the config does not belong to this graph — re-convert the model"
+    )
 
 
 def _regular_file(folder: Path, name: str, key: str) -> Path:
@@ -406,15 +427,11 @@ def _read_optional(folder: Path, name: str | None) -> str | None:
     if not path.is_file():
         return None
     try:
-        if path.stat().st_size > _MAX_TEMPLATE_BYTES:
-            raise ModelLoadError(
-                f"{MANIFEST_NAME}: chat_template_file={name!r} is larger than "
-                f"{_MAX_TEMPLATE_BYTES:,} bytes; that is not a chat template"
-            )
-        return path.read_bytes().decode("utf-8")
+        data = read_regular_file(path, max_bytes=_MAX_TEMPLATE_BYTES, error=ModelLoadError)
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ModelLoadError(
             f"{MANIFEST_NAME}: chat_template_file={name!r} is not UTF-8 text: {exc}"
         ) from exc
-    except OSError as exc:
-        raise ModelLoadError(f"cannot read the chat template {path}: {exc}") from exc
+    except ModelLoadError as exc:  # replaced by a FIFO or grown since the check: named
+        raise ModelLoadError(f"{MANIFEST_NAME}: chat_template_file={name!r}: {exc}") from exc

@@ -16,7 +16,7 @@ from typing import Any
 
 from edgeinfer.errors import BackendUnavailableError, ModelLoadError
 
-from .base import TokenizerBase, is_marker
+from .base import TokenizerBase, is_marker, tokenizer_text
 
 __all__ = ["JsonTokenizer"]
 
@@ -100,7 +100,8 @@ class JsonTokenizer(TokenizerBase):
         with self._plain_lock:
             self._tok.encode_special_tokens = not parse_special
             try:
-                return list(self._tok.encode(text, add_special_tokens=add_special).ids)
+                ids = self._tok.encode(tokenizer_text(text), add_special_tokens=add_special).ids
+                return list(ids)
             finally:
                 self._tok.encode_special_tokens = False
 
