@@ -103,7 +103,7 @@ def _add_chat_template_flag(p: argparse.ArgumentParser) -> None:
 
 def prepare_chat(model: Any, args: argparse.Namespace) -> None:
     """Set --chat-template, or refuse a model without a template before anything is asked."""
-    from .chat_templates import BUILTIN_TEMPLATES, resolve_chat_template
+    from .chat import BUILTIN_TEMPLATES, resolve_chat_template
 
     if args.chat_template:
         model.use_chat_template(resolve_chat_template(args.chat_template))

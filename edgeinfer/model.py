@@ -13,8 +13,7 @@ import numpy as np
 
 from . import generation
 from ._turns import Turns
-from .chat_template import render_chat
-from .chat_tokens import encode_chat
+from .chat import encode_chat, render_chat
 from .errors import EdgeInferError, InvalidRequestError, short_repr
 from .generation import Chunk, GenerationResult, KVHistory, TokenStream
 from .memory import MemoryPlan

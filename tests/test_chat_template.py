@@ -9,9 +9,10 @@ from unittest import mock
 
 import pytest
 
-from edgeinfer import ChatTemplateError, InvalidRequestError, chat_template
-from edgeinfer._template_env import raise_exception
-from edgeinfer.chat_template import render_chat
+from edgeinfer import ChatTemplateError, InvalidRequestError
+from edgeinfer.chat import template as chat_template
+from edgeinfer.chat._env import raise_exception
+from edgeinfer.chat.template import render_chat
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -443,7 +444,7 @@ def test_no_tracer_is_left_behind_after_errors() -> None:
 
 def test_past_the_deadline_only_template_code_is_stopped() -> None:
     """A finalizer or GC callback that runs during a render is not the template's: it runs on."""
-    from edgeinfer._template_budget import Abort, Budget, _deadline_tracer
+    from edgeinfer.chat._budget import Abort, Budget, _deadline_tracer
 
     budget = Budget(100, 100, deadline=time.monotonic() - 1, seconds=1, int_bits=64, max_depth=8)
     tracer = _deadline_tracer(budget, None)

@@ -14,8 +14,9 @@ from unittest import mock
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from edgeinfer import ChatTemplateError, InvalidRequestError, chat_template
-from edgeinfer.chat_template import render_chat, validate_messages
+from edgeinfer import ChatTemplateError, InvalidRequestError
+from edgeinfer.chat import template as chat_template
+from edgeinfer.chat.template import render_chat, validate_messages
 
 EXAMPLES = int(os.environ.get("EDGEINFER_FUZZ_EXAMPLES", "250"))
 DEADLINE_S = 0.25  # the render deadline while fuzzing, so that cases that hit it stay cheap

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .errors import ChatTemplateError
+from ..errors import ChatTemplateError
 
 if TYPE_CHECKING:
-    from .runtimes.base import Tokenizer
+    from ..runtimes.base import Tokenizer
 
 __all__ = ["encode_chat", "encode_plain"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 __all__ = ["BUILTIN_TEMPLATES", "resolve_chat_template"]
 

@@ -20,9 +20,9 @@ from jinja2.compiler import CodeGenerator, Frame
 from jinja2.runtime import LoopContext, Macro, markup_join, str_join
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ._template_budget import current, text_size, traced
-from ._template_guards import TRACE_ABOVE, binop_size, guard_call, guard_filter, power_bits
-from .errors import ChatTemplateError
+from ..errors import ChatTemplateError
+from ._budget import current, text_size, traced
+from ._guards import TRACE_ABOVE, binop_size, guard_call, guard_filter, power_bits
 
 _EACH = "edgeinfer_each"  # the filter every {% for %} iterates through
 
@@ -178,7 +178,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
 
 
 def make_environment() -> BoundedEnvironment:
-    """The sandbox every chat template runs in (one per process: see chat_template)."""
+    """The sandbox every chat template runs in (one per process: see template._environment)."""
     env = BoundedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,

@@ -1,7 +1,7 @@
 """Size checks that run before a step of an untrusted chat template which could make a huge
 value in one go (one C call, out of reach of the deadline): ``'x' * n``, ``n ** m``, widths,
 ``replace``, ``join``, ``format``, ``%``, ``str()`` of a container. Each estimates what the
-step would make, in the units of _template_budget, and the budget refuses it when too big.
+step would make, in the units of _budget, and the budget refuses it when too big.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from types import BuiltinMethodType, FunctionType
 from typing import Any
 
-from ._template_budget import Budget, current, text_size, units_of
+from ._budget import Budget, current, text_size, units_of
 
 
 def binop_size(op: str, left: Any, right: Any) -> int:

@@ -1,4 +1,4 @@
-"""The bounds on one render of an untrusted chat template (see chat_template): its budget of
+"""The bounds on one render of an untrusted chat template (see template): its budget of
 time, size and work, the trace function that enforces the deadline inside library code, and
 how big a value is.
 
@@ -17,7 +17,7 @@ from functools import lru_cache
 from types import FrameType, GeneratorType
 from typing import Any, NoReturn, TypeVar
 
-from .errors import ChatTemplateError
+from ..errors import ChatTemplateError
 
 _ITEM_UNITS = 8  # a list or tuple item: one pointer
 _ENTRY_UNITS = 32  # a dict or set entry: hash, key and value

@@ -29,8 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any, TypeVar
 
-from ._template_budget import Abort, Budget, Guard, current, messages_size, traced
-from .errors import ChatTemplateError, InvalidRequestError
+from ..errors import ChatTemplateError, InvalidRequestError
+from ._budget import Abort, Budget, Guard, current, messages_size, traced
 
 __all__ = [
     "CALL_DEPTH_LIMIT",
@@ -159,7 +159,7 @@ def _short(value: object) -> str:
 
 @lru_cache(maxsize=1)
 def _environment() -> Any:
-    from ._template_env import make_environment
+    from ._env import make_environment
 
     return make_environment()
 
