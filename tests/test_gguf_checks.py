@@ -192,7 +192,8 @@ def scalar(draw: st.DrawFn) -> g.Value:
     vtype = draw(st.sampled_from(sorted(_SIZES)))
     size = _SIZES[vtype]
     if vtype in (g.F32, g.F64):
-        number = draw(st.one_of(st.sampled_from([0.0, -1.0, 1e-5, 1e30]), st.floats()))
+        width = 32 if size == 4 else 64
+        number = draw(st.one_of(st.sampled_from([0.0, -1.0, 1e-5, 1e30]), st.floats(width=width)))
         return g.Value(vtype, raw=struct.pack("<f" if size == 4 else "<d", number))
     number = draw(st.sampled_from(_INTERESTING)) % (1 << (8 * size))
     raw = number.to_bytes(size, "little")
