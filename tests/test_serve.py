@@ -349,7 +349,8 @@ def test_past_the_queue_limit_is_503_with_retry_after(default_gguf: Path) -> Non
 def test_cors_only_for_the_named_origin(local: edgeinfer.Model) -> None:
     from starlette.testclient import TestClient
 
-    from edgeinfer.serve.app import ServerConfig, create_app
+    from edgeinfer.serve.app import create_app
+    from edgeinfer.serve.config import ServerConfig
 
     preflight = {
         "Origin": "http://localhost:3000",

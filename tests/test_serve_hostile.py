@@ -139,7 +139,8 @@ def tiny(tiny_llama_gguf: Path) -> Iterator[edgeinfer.Model]:
 def _client(model: edgeinfer.Model, **config: Any) -> Any:
     from starlette.testclient import TestClient
 
-    from edgeinfer.serve.app import ServerConfig, create_app
+    from edgeinfer.serve.app import create_app
+    from edgeinfer.serve.config import ServerConfig
 
     app = create_app(model, ServerConfig(name="m", **config))
     return TestClient(app, base_url="http://127.0.0.1:8080", raise_server_exceptions=True)

@@ -235,7 +235,8 @@ def test_server_passes_response_format(tiny_llama_gguf: Path) -> None:
     pytest.importorskip("starlette")
     from starlette.testclient import TestClient
 
-    from edgeinfer.serve.app import ServerConfig, create_app
+    from edgeinfer.serve.app import create_app
+    from edgeinfer.serve.config import ServerConfig
 
     with edgeinfer.load(tiny_llama_gguf, context_length=256, threads=1) as model:
         app = create_app(model, ServerConfig(name="m"))

@@ -124,7 +124,8 @@ def cmd_serve(args: argparse.Namespace, load_model: Any) -> int:
             "edgeinfer serve needs the server extra: pip install 'edgeinfer[serve]'"
         ) from exc
     from .. import catalog
-    from .app import ServerConfig, create_app
+    from .app import create_app
+    from .config import ServerConfig
 
     check_settings(args)
     args.model = args.model or catalog.DEFAULT_MODEL
