@@ -35,72 +35,79 @@ def _steps(stamps: list[float]) -> float:
     return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-n", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument(
-        "--out", type=Path, default=Path(__file__).parent / "results" / "serve.json"
-    )
-    args = parser.parse_args()
+def _start_server(gguf: Path, threads: int) -> tuple[subprocess.Popen[bytes], str]:
+    """``edgeinfer serve`` on a free loopback port, answering /health: (process, base URL)."""
     import httpx
 
-    import edgeinfer
-    from edgeinfer import catalog
-
-    gguf = catalog.fetch(catalog.DEFAULT_MODEL)
     port = _free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "edgeinfer.cli", "serve", str(gguf), "--port", str(port),
-         "--threads", str(args.threads), "--context-length", "1024"],
+         "--threads", str(threads), "--context-length", "1024"],
         stderr=subprocess.DEVNULL, env={**os.environ},
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        model = edgeinfer.load(gguf, context_length=1024, threads=args.threads)
-        eos = {i: float("-inf") for i in (0, 2)}
-        body = {
-            "prompt": PROMPT,
-            "max_tokens": args.n,
-            "temperature": 0,
-            "logit_bias": {str(i): -100 for i in eos},
-            "stream": True,
-        }
-        api: list[float] = []
-        served: list[float] = []
-        with httpx.Client(timeout=120) as client:
-            for r in range(args.rounds + 1):  # round 0 warms both sides up
-                stamps = []
-                for chunk in model.stream(
-                    PROMPT, temperature=0, max_new_tokens=args.n, logit_bias=eos
-                ):
-                    if chunk.token_ids:
-                        stamps.append(time.perf_counter())
-                step_api = _steps(stamps)
-                stamps = []
-                with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-                    for line in resp.iter_lines():
-                        if line.startswith("data: {"):
-                            stamps.append(time.perf_counter())
-                step_served = _steps(stamps)
-                if r:
-                    api.append(step_api)
-                    served.append(step_served)
-        model.close()
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    for _ in range(600):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    return server, url
+
+
+def _api_step(model: Any, n: int, eos: dict[int, float]) -> float:
+    """One greedy completion through the Python API: its decode step, seconds."""
+    stamps = []
+    for chunk in model.stream(PROMPT, temperature=0, max_new_tokens=n, logit_bias=eos):
+        if chunk.token_ids:
+            stamps.append(time.perf_counter())
+    return _steps(stamps)
+
+
+def _served_step(client: Any, url: str, body: dict[str, Any]) -> float:
+    """The same completion through the server's SSE: its decode step, seconds."""
+    stamps = []
+    with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                stamps.append(time.perf_counter())
+    return _steps(stamps)
+
+
+def _measure(gguf: Path, url: str, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """Alternating rounds, API then server: (API steps, server steps), round 0 left out."""
+    import httpx
+
+    import edgeinfer
+
+    model = edgeinfer.load(gguf, context_length=1024, threads=args.threads)
+    eos = {i: float("-inf") for i in (0, 2)}
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": args.n,
+        "temperature": 0,
+        "logit_bias": {str(i): -100 for i in eos},
+        "stream": True,
+    }
+    api: list[float] = []
+    served: list[float] = []
+    with model, httpx.Client(timeout=120) as client:
+        for r in range(args.rounds + 1):  # round 0 warms both sides up
+            step_api = _api_step(model, args.n, eos)
+            step_served = _served_step(client, url, body)
+            if r:
+                api.append(step_api)
+                served.append(step_served)
+    return api, served
+
+
+def _report(
+    args: argparse.Namespace, model: str, api: list[float], served: list[float]
+) -> dict[str, Any]:
     api_ms = statistics.median(api) * 1000
     served_ms = statistics.median(served) * 1000
-    report: dict[str, Any] = {
-        "model": catalog.DEFAULT_MODEL,
+    return {
+        "model": model,
         "threads": args.threads,
         "tokens": args.n,
         "rounds": args.rounds,
@@ -111,11 +118,33 @@ def main() -> int:
         "added_ms_per_token": round(served_ms - api_ms, 3),
         "added_fraction": round((served_ms - api_ms) / api_ms, 4),
     }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-n", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "serve.json"
+    )
+    args = parser.parse_args()
+    from edgeinfer import catalog
+
+    gguf = catalog.fetch(catalog.DEFAULT_MODEL)
+    server, url = _start_server(gguf, args.threads)
+    try:
+        api, served = _measure(gguf, url, args)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    report = _report(args, catalog.DEFAULT_MODEL, api, served)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(
-        f"decode step: Python API {api_ms:.2f} ms, server {served_ms:.2f} ms; added "
-        f"{served_ms - api_ms:+.2f} ms per token ({report['added_fraction']:+.1%})"
+        f"decode step: Python API {report['api_median_ms']:.2f} ms, server "
+        f"{report['server_median_ms']:.2f} ms; added {report['added_ms_per_token']:+.2f} ms "
+        f"per token ({report['added_fraction']:+.1%})"
     )
     return 0
 

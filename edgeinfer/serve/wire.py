@@ -127,6 +127,13 @@ def _common(body: Any, length_keys: tuple[str, ...]) -> dict[str, Any]:
             param="n",
             code="invalid_value",
         )
+    stream, include_usage = _streaming(body)
+    sampling = _sampling(body, length_keys)
+    return {"model": model, "stream": stream, "include_usage": include_usage, "sampling": sampling}
+
+
+def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
+    """``stream`` and ``stream_options.include_usage``."""
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("stream", "must be true or false")
@@ -140,6 +147,11 @@ def _common(body: Any, length_keys: tuple[str, ...]) -> dict[str, Any]:
         if not stream:
             raise bad("stream_options", "is only allowed with stream=true")
         include_usage = bool(options.get("include_usage", False))
+    return stream, include_usage
+
+
+def _sampling(body: dict[str, Any], length_keys: tuple[str, ...]) -> dict[str, Any]:
+    """The sampling settings as ``Model.chat``/``Model.stream`` take them."""
     sampling: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # OpenAI's
     for key in length_keys:
         if body.get(key) is not None:
@@ -167,7 +179,7 @@ def _common(body: Any, length_keys: tuple[str, ...]) -> dict[str, Any]:
         sampling["logit_bias"] = _logit_bias(body["logit_bias"])
     if body.get("response_format") is not None:  # checked by SamplingConfig (400 if bad)
         sampling["response_format"] = body["response_format"]
-    return {"model": model, "stream": stream, "include_usage": include_usage, "sampling": sampling}
+    return sampling
 
 
 def _integer(body: dict[str, Any], key: str, low: int, *, default: int | None = None) -> int:
