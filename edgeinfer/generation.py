@@ -27,7 +27,7 @@ from .memory import peak_rss
 from .sampling import Sampler, SamplingConfig
 
 if TYPE_CHECKING:
-    from .runtimes.base import Backend
+    from .runtimes.base import Backend, Tokenizer
 
 __all__ = ["Chunk", "FinishReason", "GenerationResult", "GenerationStats", "TokenStream"]
 
@@ -210,6 +210,110 @@ def _slide(backend: Backend, history: KVHistory, token: int, keep: int) -> np.nd
     return logits
 
 
+@dataclass(frozen=True)
+class _Step:
+    """What one step did: the token taken (None when the sequence ended without one), its
+    text (possibly empty: held back until it is whole or clear of a stop string) and the
+    finish reason once the sequence has ended."""
+
+    token: int | None
+    text: str
+    finish: FinishReason | None
+
+
+class SequenceState:
+    """One sequence's state between steps: its sampler (with the grammar matcher, if any),
+    detokenizer and stop buffer (the ids whose text is not handed out yet), the tokens it
+    has seen (for the repetition penalty) and its timings.
+
+    ``step`` turns one position's logits into a token and says whether the sequence ended;
+    whoever holds the backend (``run``) prefills, decodes and keeps the KV cache. The state
+    is one object per sequence, so a loop over many sequences steps each the same way.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt: Sequence[int], sampler: Sampler) -> None:
+        self.tokenizer = tokenizer
+        self.sampler = sampler
+        self.prompt_tokens = len(prompt)
+        stop = sampler.config.stop if sampler.constraint is None else ()
+        # Under a response_format the grammar decides where the reply ends: a stop string
+        # would cut it mid-value and call that "stop", so stop strings do not apply.
+        self.detok = IncrementalDetokenizer(tokenizer.token_bytes, stop)
+        self.context: list[int] = list(prompt)  # for the repetition penalty
+        self.generated: list[int] = []
+        self.unsent: list[int] = []  # ids whose text has not been handed out yet
+        self.reused = 0  # prompt tokens found in the KV cache
+        self.t_start = self.t_first = self.t_last = 0.0  # perf_counter seconds
+
+    def step(self, logits: np.ndarray, *, cancelled: bool, out_of_room: bool) -> _Step:
+        """Sample the next token from ``logits`` (the last position's) and take it in.
+
+        ``out_of_room``: the cache has no room after this token and nothing slides it.
+        """
+        if cancelled:
+            return _Step(None, "", "cancelled")
+        constraint = self.sampler.constraint
+        if constraint is not None:
+            if constraint.complete:  # the grammar has ended: nothing may follow
+                return _Step(None, "", "stop")
+            # raises InvalidRequestError (the stream ends with it, never with a finish that
+            # looks clean) when the engine meets one of its limits, nothing can follow, or
+            # logit_bias bans every allowed token
+            logits = constraint.mask(logits)
+        token = self.sampler(logits, self.context)
+        self.t_last = time.perf_counter()
+        if self.tokenizer.is_end_of_generation(token):
+            return _Step(None, "", "stop")
+        if constraint is not None:
+            constraint.accept(token)  # raises, as mask() does, rather than hand out a bad token
+        self.generated.append(token)
+        self.context.append(token)
+        self.unsent.append(token)
+        text = self.detok.push(token)
+        if self.detok.stopped:
+            return _Step(token, text, "stop")
+        if len(self.generated) >= self.sampler.config.max_new_tokens or out_of_room:
+            return _Step(token, text, "length")
+        return _Step(token, text, None)
+
+    def chunk(self, text: str) -> Chunk:
+        """Hand out ``text`` with the ids not handed out yet."""
+        chunk = Chunk(text, tuple(self.unsent))
+        self.unsent.clear()
+        return chunk
+
+    def last_chunk(self, text: str, finish: FinishReason) -> Chunk:
+        """The stream's last chunk: the rest of the text, the finish reason and the stats."""
+        tail = text + self.detok.finish()
+        n = len(self.generated)
+        prefill_s = self.t_first - self.t_start
+        decode_s = self.t_last - self.t_first
+        stats = GenerationStats(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=n,
+            reused_prompt_tokens=self.reused,
+            ttft_s=prefill_s,
+            prefill_tokens_per_s=(self.prompt_tokens - self.reused) / max(prefill_s, 1e-9),
+            decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+            total_s=time.perf_counter() - self.t_start,
+            peak_rss_bytes=peak_rss(),
+        )
+        return Chunk(tail, tuple(self.unsent), finish, stats)
+
+
+def _prefill(
+    backend: Backend, history: KVHistory, prompt: Sequence[int], seq: SequenceState
+) -> np.ndarray:
+    """Reuse what the cache holds of ``prompt``, read the rest; return the last logits."""
+    seq.t_start = time.perf_counter()
+    seq.reused = history.reuse(backend, prompt)
+    logits = backend.prefill(prompt[seq.reused :])
+    history.tokens = list(prompt)
+    history.batched = len(prompt)
+    seq.t_first = seq.t_last = time.perf_counter()
+    return logits
+
+
 def run(
     backend: Backend,
     history: KVHistory,
@@ -225,72 +329,19 @@ def run(
     ``slide_keep`` set it slides instead: the first ``slide_keep`` tokens (the system prompt)
     stay, the older half of the rest is dropped, and the kept recent tokens are read again at
     their new positions."""
-    tokenizer = backend.tokenizer
-    config = sampler.config
-    constraint = sampler.constraint
-    # Under a response_format the grammar decides where the reply ends: a stop string
-    # would cut it mid-value and call that "stop", so stop strings do not apply.
-    detok = IncrementalDetokenizer(tokenizer.token_bytes, config.stop if constraint is None else ())
-    t_start = time.perf_counter()
-    reused = history.reuse(backend, prompt)
-    logits = backend.prefill(prompt[reused:])
-    history.tokens = list(prompt)
-    history.batched = len(prompt)
-    t_first = t_last = time.perf_counter()
-    context: list[int] = list(prompt)  # for the repetition penalty
-    generated: list[int] = []
-    unsent: list[int] = []  # ids whose text has not been handed out yet
-    tail = ""
+    seq = SequenceState(backend.tokenizer, prompt, sampler)
+    logits = _prefill(backend, history, prompt, seq)
     while True:
-        if cancel.is_set():
-            finish: FinishReason = "cancelled"
-            break
-        if constraint is not None:
-            if constraint.complete:  # the grammar has ended: nothing may follow
-                finish = "stop"
-                break
-            # raises InvalidRequestError (the stream ends with it, never with a finish that
-            # looks clean) when the engine meets one of its limits, nothing can follow, or
-            # logit_bias bans every allowed token
-            logits = constraint.mask(logits)
-        token = sampler(logits, context)
-        t_last = time.perf_counter()
-        if tokenizer.is_end_of_generation(token):
-            finish = "stop"
-            break
-        if constraint is not None:
-            constraint.accept(token)  # raises, as mask() does, rather than hand out a bad token
-        generated.append(token)
-        context.append(token)
-        unsent.append(token)
-        text = detok.push(token)
         full = len(history.tokens) + 1 >= backend.n_ctx  # no room after this token
-        if (
-            detok.stopped
-            or len(generated) >= config.max_new_tokens
-            or (full and slide_keep is None)
-        ):
-            finish = "stop" if detok.stopped else "length"
-            tail = text
-            break
-        if text:
-            yield Chunk(text, tuple(unsent))
-            unsent.clear()
+        step = seq.step(logits, cancelled=cancel.is_set(), out_of_room=full and slide_keep is None)
+        if step.finish is not None:
+            yield seq.last_chunk(step.text, step.finish)
+            return
+        assert step.token is not None  # a step that did not finish took a token
+        if step.text:
+            yield seq.chunk(step.text)
         if full and slide_keep is not None:
-            logits = _slide(backend, history, token, slide_keep)
+            logits = _slide(backend, history, step.token, slide_keep)
             continue
-        logits = backend.decode(token)
-        history.tokens.append(token)
-    tail += detok.finish()
-    n = len(generated)
-    stats = GenerationStats(
-        prompt_tokens=len(prompt),
-        completion_tokens=n,
-        reused_prompt_tokens=reused,
-        ttft_s=t_first - t_start,
-        prefill_tokens_per_s=(len(prompt) - reused) / max(t_first - t_start, 1e-9),
-        decode_tokens_per_s=(n - 1) / (t_last - t_first) if n > 1 and t_last > t_first else 0.0,
-        total_s=time.perf_counter() - t_start,
-        peak_rss_bytes=peak_rss(),
-    )
-    yield Chunk(tail, tuple(unsent), finish, stats)
+        logits = backend.decode(step.token)
+        history.tokens.append(step.token)
