@@ -26,7 +26,16 @@ from .guard import key_bytes, key_matches
 from .jobs import Job
 from .replies import AccessLog, RequestLine, invalid, unauthorized
 
-__all__ = ["Context", "chat", "completions", "crashed", "health", "models", "not_found"]
+__all__ = [
+    "Context",
+    "chat",
+    "completions",
+    "crashed",
+    "health",
+    "models",
+    "not_found",
+    "wrong_method",
+]
 
 logger = logging.getLogger("edgeinfer.serve")
 
