@@ -26,7 +26,7 @@ from .inventory import devices
 from .manifest import MANIFEST_NAME, PARTIAL_MARKER, Manifest
 from .memory import FitAtLoad, plan_memory, shape_of
 from .model import Model
-from .policy import plan_providers
+from .policy import normalise_device, plan_providers
 
 __all__ = ["ModelSource", "load", "resolve"]
 
@@ -147,13 +147,7 @@ def _onnx_route(device: str) -> bool:
     device is one only ONNX Runtime drives (an NPU, DirectML, a named provider)."""
     if not llama_cpp_installed():
         return True
-    return _normalise_device(device) not in _GGUF_DEVICES
-
-
-def _normalise_device(device: str) -> str:
-    from .policy import _normalise
-
-    return _normalise(device)
+    return normalise_device(device) not in _GGUF_DEVICES
 
 
 def transcoded_catalog_model(source: ModelSource) -> ModelSource:

@@ -18,7 +18,14 @@ from typing import Any
 from .errors import BackendUnavailableError, InvalidRequestError
 from .inventory import DeviceInventory
 
-__all__ = ["CPU_PROVIDER", "Candidate", "ProviderPlan", "Skipped", "plan_providers"]
+__all__ = [
+    "CPU_PROVIDER",
+    "Candidate",
+    "ProviderPlan",
+    "Skipped",
+    "normalise_device",
+    "plan_providers",
+]
 
 CPU_PROVIDER = "CPUExecutionProvider"
 LLAMA_CPU = "llama.cpp:CPU"
@@ -119,7 +126,7 @@ def plan_providers(
     """
     if not isinstance(preference, str) or not preference.strip():
         raise InvalidRequestError(f"device={preference!r} is invalid: expected a name")
-    wish = _normalise(preference)
+    wish = normalise_device(preference)
     if model_format == "gguf":
         found, skipped, cpu = _gguf(inventory, wish)
     elif model_format == "onnx":
@@ -146,7 +153,9 @@ def plan_providers(
     return ProviderPlan(model_format, preference, tuple(found), tuple(skipped))
 
 
-def _normalise(preference: str) -> str:
+def normalise_device(preference: str) -> str:
+    """The wish a ``device`` argument names: one of ``PREFERENCES`` or an ONNX Runtime
+    provider name; ``InvalidRequestError`` for anything else."""
     wish = preference.strip()
     lowered = wish.lower()
     if lowered in PREFERENCES:
@@ -179,67 +188,71 @@ def _gguf(inv: DeviceInventory, wish: str) -> tuple[list[Candidate], list[Skippe
         raise BackendUnavailableError(
             "GGUF models need llama-cpp-python: pip install 'edgeinfer[gguf]'"
         )
-    cpu = Candidate(
-        LLAMA_CPU, "cpu", f"llama.cpp CPU kernels on {_cpu_summary(inv)}", {"n_gpu_layers": 0}
-    )
-    if "amx-int8" in inv.cpu_features:
-        # llama.cpp's AMX weight buffers crashed llama_decode (SIGSEGV) on a Xeon with AMX
-        # (llama-cpp-python 0.3.36, Q4_1 weights): keep the weights in plain CPU buffers.
-        cpu = Candidate(
-            cpu.provider,
-            cpu.device,
-            f"{cpu.reason}; AMX weight repacking off (it crashes llama.cpp on AMX CPUs)",
-            {**cpu.options, "use_extra_bufts": False},
-        )
+    cpu = _llama_cpu(inv)
     if wish == "cpu":
         return [], [], cpu
-    found: list[Candidate] = []
-    skipped: list[Skipped] = []
-    gpus = inv.llama_gpus if inv.llama_gpu_offload else ()
-    wanted_backend = {"cuda": "CUDA", "metal": "Metal"}.get(wish)
     if wish in ("auto", "gpu", "cuda", "metal"):
-        for index, gpu in enumerate(gpus):
-            if wanted_backend and gpu.backend != wanted_backend:
-                skipped.append(
-                    Skipped(f"llama.cpp:{gpu.backend}", f"{gpu.name} is not {wanted_backend}")
-                )
-                continue
-            memory = f", {gpu.memory_bytes / 2**30:.1f} GiB" if gpu.memory_bytes else ""
-            found.append(
-                Candidate(
-                    f"llama.cpp:{gpu.backend or 'GPU'}",
-                    "metal"
-                    if gpu.backend == "Metal"
-                    else "cuda"
-                    if gpu.backend == "CUDA"
-                    else "gpu",
-                    f"every layer offloaded to {gpu.name}{memory}",
-                    {"n_gpu_layers": -1, "main_gpu": index},
-                )
-            )
-            break
-        if not found:
-            skipped.append(_llama_gpu_missing(inv, wanted_backend))
-    elif wish == "npu":
-        npu = ", ".join(n.name for n in inv.npus) or "no NPU was found on this machine"
-        skipped.append(
-            Skipped(
-                "llama.cpp:NPU",
-                f"llama.cpp has no NPU backend ({npu}); convert the model "
-                "to ONNX (edgeinfer convert SRC -o OUT --to onnx) to run it on an NPU",
-            )
-        )
+        found, skipped = _llama_gpu(inv, wish)
     else:
-        skipped.append(
-            Skipped(
-                wish,
-                "this is an ONNX Runtime provider, and GGUF models run on llama.cpp; convert "
-                "the model to ONNX, or use device auto, cpu, cuda or metal",
-            )
-        )
+        found, skipped = [], [_llama_elsewhere(inv, wish)]
     if wish == "auto" and not found:
         return [], skipped if inv.gpus else [], cpu  # a hint only where there is a GPU
     return found, skipped, cpu
+
+
+def _llama_cpu(inv: DeviceInventory) -> Candidate:
+    cpu = Candidate(
+        LLAMA_CPU, "cpu", f"llama.cpp CPU kernels on {_cpu_summary(inv)}", {"n_gpu_layers": 0}
+    )
+    if "amx-int8" not in inv.cpu_features:
+        return cpu
+    # llama.cpp's AMX weight buffers crashed llama_decode (SIGSEGV) on a Xeon with AMX
+    # (llama-cpp-python 0.3.36, Q4_1 weights): keep the weights in plain CPU buffers.
+    return Candidate(
+        cpu.provider,
+        cpu.device,
+        f"{cpu.reason}; AMX weight repacking off (it crashes llama.cpp on AMX CPUs)",
+        {**cpu.options, "use_extra_bufts": False},
+    )
+
+
+def _llama_gpu(inv: DeviceInventory, wish: str) -> tuple[list[Candidate], list[Skipped]]:
+    """The first GPU llama.cpp can offload to that meets ``wish``, or why there is none."""
+    skipped: list[Skipped] = []
+    gpus = inv.llama_gpus if inv.llama_gpu_offload else ()
+    wanted_backend = {"cuda": "CUDA", "metal": "Metal"}.get(wish)
+    for index, gpu in enumerate(gpus):
+        if wanted_backend and gpu.backend != wanted_backend:
+            skipped.append(
+                Skipped(f"llama.cpp:{gpu.backend}", f"{gpu.name} is not {wanted_backend}")
+            )
+            continue
+        memory = f", {gpu.memory_bytes / 2**30:.1f} GiB" if gpu.memory_bytes else ""
+        device = {"Metal": "metal", "CUDA": "cuda"}.get(gpu.backend, "gpu")
+        candidate = Candidate(
+            f"llama.cpp:{gpu.backend or 'GPU'}",
+            device,
+            f"every layer offloaded to {gpu.name}{memory}",
+            {"n_gpu_layers": -1, "main_gpu": index},
+        )
+        return [candidate], skipped
+    return [], [*skipped, _llama_gpu_missing(inv, wanted_backend)]
+
+
+def _llama_elsewhere(inv: DeviceInventory, wish: str) -> Skipped:
+    """Why a wish llama.cpp cannot meet (an NPU, an ONNX Runtime provider) is left out."""
+    if wish == "npu":
+        npu = ", ".join(n.name for n in inv.npus) or "no NPU was found on this machine"
+        return Skipped(
+            "llama.cpp:NPU",
+            f"llama.cpp has no NPU backend ({npu}); convert the model "
+            "to ONNX (edgeinfer convert SRC -o OUT --to onnx) to run it on an NPU",
+        )
+    return Skipped(
+        wish,
+        "this is an ONNX Runtime provider, and GGUF models run on llama.cpp; convert "
+        "the model to ONNX, or use device auto, cpu, cuda or metal",
+    )
 
 
 def _llama_gpu_missing(inv: DeviceInventory, backend: str | None) -> Skipped:
@@ -277,158 +290,169 @@ def _llama_gpu_missing(inv: DeviceInventory, backend: str | None) -> Skipped:
 # --- ONNX: ONNX Runtime execution providers --------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Ort:
+    """What every ONNX offer reads: the machine, the wish, the providers onnxruntime has."""
+
+    inv: DeviceInventory
+    wish: str
+    have: frozenset[str]
+
+    def offer(
+        self, provider: str, device: str, reason: str, options: Mapping[str, Any] | None = None
+    ) -> Candidate | Skipped:
+        """A candidate if this onnxruntime has ``provider``, else why not and what to install."""
+        if provider in self.have:
+            return Candidate(provider, device, reason, dict(options or {}))
+        return Skipped(
+            provider,
+            f"this onnxruntime ({self.inv.onnxruntime_version}) has no {provider}; "
+            f"install {_ORT_INSTALL.get(provider, 'an onnxruntime build with it')}",
+        )
+
+
 def _onnx(inv: DeviceInventory, wish: str) -> tuple[list[Candidate], list[Skipped], Candidate]:
     if inv.onnxruntime_version is None:
         raise BackendUnavailableError("ONNX models need onnxruntime: pip install 'edgeinfer[onnx]'")
     cpu = Candidate(CPU_PROVIDER, "cpu", f"ONNX Runtime CPU on {_cpu_summary(inv)}")
     if wish == "cpu":
         return [], [], cpu
-    have = set(inv.ort_providers)
-    found: list[Candidate] = []
-    skipped: list[Skipped] = []
-
-    def offer(
-        provider: str, device: str, reason: str, options: Mapping[str, Any] | None = None
-    ) -> None:
-        if provider in have:
-            found.append(Candidate(provider, device, reason, dict(options or {})))
-        else:
-            skipped.append(
-                Skipped(
-                    provider,
-                    f"this onnxruntime ({inv.onnxruntime_version}) has no {provider}; "
-                    f"install {_ORT_INSTALL.get(provider, 'an onnxruntime build with it')}",
-                )
-            )
-
-    if wish in ("auto", "cuda", "gpu"):
-        _offer_nvidia(inv, wish, have, offer, skipped)
-    if (
-        wish in ("auto", "gpu")
-        and _OPENVINO in have
-        and any(d.startswith("GPU") for d in inv.openvino_devices)
-    ):
-        offer(
-            _OPENVINO,
-            "gpu",
-            "Intel GPU through OpenVINO (dynamic shapes, so ahead of the NPU)",
-            {"device_type": "GPU"},
-        )
-    if wish in ("auto", "npu"):
-        _offer_npus(inv, wish, have, offer, skipped)
-    if wish in ("auto", "metal", "gpu"):
-        if inv.platform == "apple-silicon":
-            units = "ALL" if wish == "auto" else "CPUAndGPU"
-            offer(
-                _COREML,
-                "metal",
-                "Apple Silicon: CoreML runs what it supports on the GPU"
-                + (" and Neural Engine" if units == "ALL" else ""),
-                {"MLComputeUnits": units, "ModelFormat": "MLProgram"},
-            )
-        elif wish == "metal":
-            skipped.append(
-                Skipped(
-                    _COREML,
-                    f"Metal and CoreML need an Apple Silicon Mac; this is {inv.os}/{inv.arch}",
-                )
-            )
-    if wish in ("auto", "directml", "gpu"):
-        if inv.os == "windows":
-            if wish != "auto" or _DML in have:
-                offer(
-                    _DML,
-                    "directml",
-                    "Windows: DirectML runs on any DirectX 12 GPU",
-                    {"device_id": 0},
-                )
-        elif wish == "directml":
-            skipped.append(Skipped(_DML, f"DirectML is Windows only; this is {inv.os}"))
-    if wish.lower().endswith("executionprovider"):
+    ort = _Ort(inv, wish, frozenset(inv.ort_providers))
+    if wish.lower().endswith("executionprovider"):  # a provider asked for by name
         provider = next((p for p in inv.ort_providers if p.lower() == wish.lower()), wish)
         if provider == CPU_PROVIDER:
             return [], [], cpu
-        offer(provider, _device_of(provider), "asked for by name")
+        offers = [ort.offer(provider, _device_of(provider), "asked for by name")]
+    else:  # in the order they are tried
+        offers = [
+            *_offer_nvidia(ort),
+            *_offer_openvino_gpu(ort),
+            *_offer_npus(ort),
+            *_offer_apple(ort),
+            *_offer_directml(ort),
+        ]
+    found = [o for o in offers if isinstance(o, Candidate)]
+    skipped = [o for o in offers if isinstance(o, Skipped)]
     return found, skipped, cpu
 
 
-def _offer_nvidia(
-    inv: DeviceInventory, wish: str, have: set[str], offer: Any, skipped: list[Skipped]
-) -> None:
-    gpu = next((g.name for g in inv.gpus if g.vendor == "NVIDIA"), None)
+def _offer_nvidia(ort: _Ort) -> list[Candidate | Skipped]:
+    inv, wish, have = ort.inv, ort.wish, ort.have
+    if wish not in ("auto", "cuda", "gpu"):
+        return []
     if wish == "auto" and not inv.has_nvidia_gpu:
         if _CUDA in have:
-            skipped.append(
-                Skipped(_CUDA, "onnxruntime-gpu is installed but no NVIDIA GPU was found")
-            )
-        return
+            return [Skipped(_CUDA, "onnxruntime-gpu is installed but no NVIDIA GPU was found")]
+        return []
     if wish == "gpu" and _CUDA not in have and not inv.has_nvidia_gpu:
-        return
+        return []
+    offers: list[Candidate | Skipped] = []
     if inv.platform == "jetson" and (wish != "auto" or _TRT in have):
-        offer(
-            _TRT,
-            "cuda",
-            f"Jetson ({inv.board}): TensorRT compiles the graph for the GPU; the "
-            "engine is cached after the first load",
-            {"trt_fp16_enable": True, "trt_engine_cache_enable": True},
+        offers.append(
+            ort.offer(
+                _TRT,
+                "cuda",
+                f"Jetson ({inv.board}): TensorRT compiles the graph for the GPU; the "
+                "engine is cached after the first load",
+                {"trt_fp16_enable": True, "trt_engine_cache_enable": True},
+            )
         )
-    target = gpu or "the NVIDIA GPU"
-    offer(_CUDA, "cuda", f"CUDA on {target}", {"device_id": 0})
+    gpu = next((g.name for g in inv.gpus if g.vendor == "NVIDIA"), None)
+    offers.append(ort.offer(_CUDA, "cuda", f"CUDA on {gpu or 'the NVIDIA GPU'}", {"device_id": 0}))
     if inv.platform != "jetson" and _TRT in have and wish == "auto":
-        skipped.append(
+        offers.append(
             Skipped(
                 _TRT,
                 "not chosen automatically off Jetson: building its engine takes "
                 "minutes per model; ask for device='TensorrtExecutionProvider'",
             )
         )
+    return offers
 
 
-def _offer_npus(
-    inv: DeviceInventory, wish: str, have: set[str], offer: Any, skipped: list[Skipped]
-) -> None:
+def _offer_openvino_gpu(ort: _Ort) -> list[Candidate | Skipped]:
+    if ort.wish not in ("auto", "gpu") or _OPENVINO not in ort.have:
+        return []
+    if not any(d.startswith("GPU") for d in ort.inv.openvino_devices):
+        return []
+    reason = "Intel GPU through OpenVINO (dynamic shapes, so ahead of the NPU)"
+    return [ort.offer(_OPENVINO, "gpu", reason, {"device_type": "GPU"})]
+
+
+def _offer_npus(ort: _Ort) -> list[Candidate | Skipped]:
+    inv, wish, have = ort.inv, ort.wish, ort.have
+    if wish not in ("auto", "npu"):
+        return []
     vendors = {n.vendor for n in inv.npus}
-    tried = False
+    offers: list[Candidate | Skipped] = []
     if _QNN in have or "Qualcomm" in vendors:
-        tried = True
         library = "QnnHtp.dll" if inv.os == "windows" else "libQnnHtp.so"
-        offer(
-            _QNN,
-            "npu",
-            "Qualcomm Hexagon NPU through QNN (HTP backend)",
-            {
-                "backend_path": library,
-                "htp_performance_mode": "burst",
-                "enable_htp_fp16_precision": "1",
-            },
+        options = {
+            "backend_path": library,
+            "htp_performance_mode": "burst",
+            "enable_htp_fp16_precision": "1",
+        }
+        offers.append(
+            ort.offer(_QNN, "npu", "Qualcomm Hexagon NPU through QNN (HTP backend)", options)
         )
-    if _OPENVINO in have and (
-        "Intel" in vendors or any(d.startswith("NPU") for d in inv.openvino_devices)
-    ):
-        tried = True
-        offer(_OPENVINO, "npu", "Intel NPU through OpenVINO", {"device_type": "NPU"})
-    elif "Intel" in vendors and wish == "npu":
-        tried = True
-        offer(_OPENVINO, "npu", "Intel NPU through OpenVINO", {"device_type": "NPU"})
+    intel_npu = "Intel" in vendors or any(d.startswith("NPU") for d in inv.openvino_devices)
+    if (_OPENVINO in have and intel_npu) or ("Intel" in vendors and wish == "npu"):
+        offers.append(
+            ort.offer(_OPENVINO, "npu", "Intel NPU through OpenVINO", {"device_type": "NPU"})
+        )
     if _VITIS in have or ("AMD" in vendors and wish == "npu"):
-        tried = True
-        offer(_VITIS, "npu", "AMD XDNA NPU through Vitis AI")
+        offers.append(ort.offer(_VITIS, "npu", "AMD XDNA NPU through Vitis AI"))
     if inv.platform == "apple-silicon" and wish == "npu":
-        tried = True
-        offer(
-            _COREML,
-            "npu",
-            "Apple Neural Engine through CoreML",
-            {"MLComputeUnits": "CPUAndNeuralEngine", "ModelFormat": "MLProgram"},
-        )
-    if wish == "npu" and not tried:
-        skipped.append(
+        options = {"MLComputeUnits": "CPUAndNeuralEngine", "ModelFormat": "MLProgram"}
+        offers.append(ort.offer(_COREML, "npu", "Apple Neural Engine through CoreML", options))
+    if wish == "npu" and not offers:
+        offers.append(
             Skipped(
                 "NPU",
                 "no NPU was found on this machine (looked for Qualcomm "
                 "Hexagon, Intel NPU, AMD XDNA, Apple Neural Engine)",
             )
         )
+    return offers
+
+
+def _offer_apple(ort: _Ort) -> list[Candidate | Skipped]:
+    inv, wish = ort.inv, ort.wish
+    if wish not in ("auto", "metal", "gpu"):
+        return []
+    if inv.platform == "apple-silicon":
+        units = "ALL" if wish == "auto" else "CPUAndGPU"
+        reason = "Apple Silicon: CoreML runs what it supports on the GPU" + (
+            " and Neural Engine" if units == "ALL" else ""
+        )
+        return [
+            ort.offer(
+                _COREML, "metal", reason, {"MLComputeUnits": units, "ModelFormat": "MLProgram"}
+            )
+        ]
+    if wish == "metal":
+        why = f"Metal and CoreML need an Apple Silicon Mac; this is {inv.os}/{inv.arch}"
+        return [Skipped(_COREML, why)]
+    return []
+
+
+def _offer_directml(ort: _Ort) -> list[Candidate | Skipped]:
+    inv, wish = ort.inv, ort.wish
+    if wish not in ("auto", "directml", "gpu"):
+        return []
+    if inv.os != "windows":
+        return (
+            [Skipped(_DML, f"DirectML is Windows only; this is {inv.os}")]
+            if wish == "directml"
+            else []
+        )
+    if wish != "auto" or _DML in ort.have:
+        return [
+            ort.offer(
+                _DML, "directml", "Windows: DirectML runs on any DirectX 12 GPU", {"device_id": 0}
+            )
+        ]
+    return []
 
 
 def _device_of(provider: str) -> str:
