@@ -45,7 +45,7 @@ def test_json_lines_in_and_out_and_bad_requests(tiny_llama_gguf: Path) -> None:
     assert "temperature" in answers[4]["error"]["message"]
     assert answers[5]["usage"]["completion_tokens"] == 2
     events = [json.loads(line)["event"] for line in err.splitlines()]
-    assert events[0] == "ready" and events[-1] == "stopped"
+    assert events[:2] == ["loading", "ready"] and events[-1] == "stopped"
 
 
 def test_budget_rule() -> None:
@@ -64,6 +64,7 @@ def test_budget_rule() -> None:
 def test_sigterm_mid_reply_ends_it_and_exits_0(default_gguf: Path) -> None:
     proc = _start(default_gguf, "--context-length", "2048")
     assert proc.stdin is not None and proc.stderr is not None
+    assert json.loads(proc.stderr.readline())["event"] == "loading"
     assert json.loads(proc.stderr.readline())["event"] == "ready"
     long = {"id": "story", "prompt": "Once upon a time", "max_tokens": 2000,
             "temperature": 0.8, "seed": 1, "logit_bias": {"0": -100, "2": -100}}  # fmt: skip
