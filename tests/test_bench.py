@@ -344,7 +344,7 @@ def test_saved_result_prints_the_same_table_again(tiny_llama_gguf: Path, tmp_pat
     assert out.returncode == 0 and out.stdout == report.text(markdown=True)
     damaged = tmp_path / "damaged.json"
     damaged.write_text(json.dumps({**report.to_dict(), "results": [{"engine": "x"}]}))
-    for path, message in ((damaged, "incomplete or damaged"), (tmp_path / "none", "--from")):
+    for path, message in ((damaged, "results[0].model is missing"), (tmp_path / "none", "--from")):
         out = bench("--from", str(path))
         assert out.returncode == 1 and message in out.stderr
         assert len(out.stderr.strip().splitlines()) == 1

@@ -9,11 +9,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..bounded_json import read_json_file
 from ..errors import InvalidRequestError
+from .records import BenchResultError
 from .report import BenchReport, plot_missing_message
-from .runner import BenchSettings, ProgressLine, run_bench
+from .runner import DEFAULT_RUN_TIMEOUT_S, BenchSettings, ProgressLine, run_bench
 
 EXIT_INTERRUPTED = 130
+MAX_SAVED_BYTES = 256 * 2**20  # a saved result: its runs' figures, no prompts
 
 
 def int_list(flag: str, text: str) -> tuple[int, ...]:
@@ -117,6 +120,15 @@ def add_parser(sub: Any) -> None:
         "place of MODEL for that peer",
     )
     p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_RUN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="the longest one run (one process) may take; a peer that takes longer is "
+        "stopped, with what it started, and left out with a note (default: "
+        f"{DEFAULT_RUN_TIMEOUT_S:g})",
+    )
+    p.add_argument(
         "--from",
         dest="saved",
         type=Path,
@@ -169,13 +181,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _read_saved(path: Path) -> BenchReport:
+    """A result saved with --json: a regular file of bounded size (a FIFO cannot hang the
+    read), parsed with bounds, every field checked; BenchResultError names the file."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise InvalidRequestError(f"--from {path}: {exc.strerror or exc}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequestError(f"--from {path}: not JSON ({exc})") from None
-    return BenchReport.from_dict(data)
+        data = read_json_file(path, max_bytes=MAX_SAVED_BYTES, error=BenchResultError)
+        return BenchReport.from_dict(data, what=str(path))
+    except BenchResultError as exc:
+        raise BenchResultError(f"--from {exc}") from None
 
 
 def _measure(args: argparse.Namespace) -> BenchReport:
@@ -193,6 +205,7 @@ def _measure(args: argparse.Namespace) -> BenchReport:
         context_length=args.context_length,
         compare=args.compare,
         peer_models=tuple(args.peer_model),
+        timeout_s=args.timeout,
     )
     argv = sys.argv[1:]
     command = ["edgeinfer", *argv[argv.index("bench") :]] if "bench" in argv else []

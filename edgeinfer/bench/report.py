@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidRequestError
+from .records import BenchResultError, check_report
 
 __all__ = ["BenchReport", "Row", "summarize"]
 
@@ -24,6 +25,9 @@ FIGURES = {
     "ttft_ms": ("ttft_s", 1000.0),
     "peak_rss_mb": ("peak_rss_bytes", 1 / MB),
 }
+
+_ROW_KEYS = ("model", "model_path", "engine", "engine_model", "threads", "prompt_tokens",
+             "new_tokens")  # fmt: skip
 
 
 def summarize(values: list[float]) -> dict[str, float]:
@@ -111,7 +115,8 @@ class BenchReport:
             return None
         ours = base.figure(figure)["mean"]
         theirs = row.figure(figure)["mean"]
-        return theirs / ours if ours > 0 else None
+        ratio = theirs / ours if ours > 0 else math.inf
+        return ratio if math.isfinite(ratio) else None
 
     # -- JSON -------------------------------------------------------------------------------
 
@@ -159,41 +164,28 @@ class BenchReport:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> BenchReport:
-        """A report saved with ``to_dict`` (``--json``), to print or plot again."""
+    def from_dict(cls, data: Any, what: str = "the bench result") -> BenchReport:
+        """A report saved with ``to_dict`` (``--json``), to print or plot again; every field
+        it reads is checked first (BenchResultError names ``what`` and the field)."""
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-            raise InvalidRequestError(
-                f"not an edgeinfer bench result (expected schema {SCHEMA!r}); make one with "
-                "'edgeinfer bench MODEL --json > FILE'"
+            raise BenchResultError(
+                f"{what} is not an edgeinfer bench result (expected schema {SCHEMA!r}); make "
+                "one with 'edgeinfer bench MODEL --json > FILE'"
             )
-        try:
-            report = cls(
-                settings=data["settings"],
-                machine=data["machine"],
-                versions=data["versions"],
-                created=data["created"],
-                command=list(data["command"]),
-                notes=list(data["notes"]),
-                errors=list(data["errors"]),
-                interrupted=bool(data["interrupted"]),
-            )
-            for r in data["results"]:
-                report.rows.append(
-                    Row(
-                        model=r["model"],
-                        model_path=r["model_path"],
-                        engine=r["engine"],
-                        engine_model=r["engine_model"],
-                        threads=int(r["threads"]),
-                        prompt_tokens=int(r["prompt_tokens"]),
-                        new_tokens=int(r["new_tokens"]),
-                        runs=[dict(x) for x in r["runs"]],
-                    )
-                )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InvalidRequestError(
-                f"the bench result is incomplete or damaged ({type(exc).__name__}: {exc})"
-            ) from None
+        data = check_report(data, what)
+        report = cls(
+            settings=data["settings"],
+            machine=data["machine"],
+            versions=data["versions"],
+            created=data["created"],
+            command=list(data["command"]),
+            notes=list(data["notes"]),
+            errors=list(data["errors"]),
+            interrupted=data["interrupted"],
+        )
+        for r in data["results"]:
+            row = Row(*(r[key] for key in _ROW_KEYS), runs=[dict(x) for x in r["runs"]])
+            report.rows.append(row)
         return report
 
     # -- tables -----------------------------------------------------------------------------

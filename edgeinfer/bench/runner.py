@@ -6,8 +6,11 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import metadata
@@ -24,6 +27,14 @@ from ..errors import (
     ModelLoadError,
 )
 from .peers import Peer, peers_for
+from .records import (
+    MAX_RESULT_LINE_BYTES,
+    BenchResultError,
+    check_error,
+    check_run,
+    one_line,
+    parse_result_line,
+)
 from .report import BenchReport
 from .worker import RESULT_MARK
 
@@ -37,8 +48,13 @@ _ERRORS: dict[str, type[EdgeInferError]] = {
         MemoryBudgetError,
         ConversionError,
         InvalidRequestError,
+        BenchResultError,
     )
 }
+DEFAULT_RUN_TIMEOUT_S = 600.0  # one run (one process): a big model on a board, pp512+tg128
+# the worker's command; a test may stand a fake in its place
+WORKER = (sys.executable, "-m", "edgeinfer.bench.worker")
+_TAIL_BYTES = MAX_RESULT_LINE_BYTES + 2**16  # of a run's stdout: where its result line is
 _VERSIONED = (
     "edgeinfer",
     "llama-cpp-python",
@@ -64,6 +80,7 @@ class BenchSettings:
     context_length: int | None = None  # None: room for the longest prompt and the reply
     compare: bool = False
     peer_models: tuple[str, ...] = ()
+    timeout_s: float = DEFAULT_RUN_TIMEOUT_S  # per run; a peer that takes longer is left out
 
     def checked(self) -> BenchSettings:
         """These settings with defaults filled in; InvalidRequestError names a bad one."""
@@ -97,6 +114,15 @@ class BenchSettings:
             )
         if self.peer_models and not self.compare:
             raise InvalidRequestError("--peer-model names a peer's model: add --compare")
+        timeout = self.timeout_s
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not (0 < timeout < math.inf)
+        ):
+            raise InvalidRequestError(
+                f"--timeout {timeout!r} is invalid: expected a number of seconds > 0"
+            )
         return BenchSettings(
             models=tuple(self.models),
             prompt_tokens=tuple(self.prompt_tokens),
@@ -109,6 +135,7 @@ class BenchSettings:
             context_length=context,
             compare=self.compare,
             peer_models=tuple(self.peer_models),
+            timeout_s=float(timeout),
         )
 
 
@@ -174,32 +201,68 @@ class RunFailed(Exception):
 Runner = Callable[[dict[str, Any]], dict[str, Any]]
 
 
-def run_in_fresh_process(spec: dict[str, Any]) -> dict[str, Any]:
-    """One run in a new interpreter; RunFailed when the engine fails or the process dies."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "edgeinfer.bench.worker"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def run_in_fresh_process(spec: dict[str, Any], worker: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One run in a new interpreter, in its own process group; RunFailed when the engine
+    fails, the process dies, its result line is damaged, or it runs past ``spec["timeout_s"]``
+    (then it is killed with every process it started)."""
+    timeout = spec.get("timeout_s")
+    with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as out, \
+            tempfile.TemporaryFile() as err:  # fmt: skip
+        # files, not pipes: nothing blocks on a run that stops reading or floods its output
+        stdin.write(json.dumps(spec).encode("utf-8"))
+        stdin.seek(0)
+        proc = subprocess.Popen(
+            list(worker or WORKER), stdin=stdin, stdout=out, stderr=err, start_new_session=True
+        )
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RunFailed(
+                "timeout", f"the run took longer than {timeout:g} s (--timeout) and was stopped"
+            ) from None
+        finally:  # Ctrl-C or a timeout: the run is abandoned; always: nothing left behind
+            _kill_group(proc)
+        return _result(spec.get("engine"), proc.returncode, _tail(out, _TAIL_BYTES), err)
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kill the run and anything it started (its process group), and reap it."""
+    killpg = getattr(os, "killpg", None)
     try:
-        out, err = proc.communicate(json.dumps(spec))
-    except BaseException:  # Ctrl-C: the run is abandoned, its process with it
-        proc.kill()
-        proc.wait()
-        raise
-    for line in reversed(out.splitlines()):
-        if line.startswith(RESULT_MARK):
-            record = json.loads(line[len(RESULT_MARK) :])
+        if killpg is not None:
+            killpg(proc.pid, signal.SIGKILL)
+        elif proc.poll() is None:
+            proc.kill()
+    except OSError:  # nothing left in the group
+        pass
+    proc.wait()
+
+
+def _tail(file: Any, size: int) -> bytes:
+    file.seek(0, os.SEEK_END)
+    end = file.tell()
+    file.seek(max(0, end - size))
+    data = file.read()
+    return data if end <= size else data.partition(b"\n")[2]  # from the first whole line
+
+
+def _result(engine: Any, returncode: int, out: bytes, err: Any) -> dict[str, Any]:
+    mark = RESULT_MARK.encode("utf-8")
+    for line in reversed(out.split(b"\n")):
+        if not line.startswith(mark):
+            continue
+        try:
+            record = parse_result_line(line[len(mark) :], "the result line")
             if "error" in record:
-                raise RunFailed(record["error"]["type"], record["error"]["message"])
-            return record
-    tail = " | ".join(err.strip().splitlines()[-3:])[-400:]
+                raise RunFailed(*check_error(record, "the result line"))
+            return check_run(record, needs_ids=engine == "edgeinfer")
+        except BenchResultError as exc:
+            raise RunFailed("BenchResultError", f"its result line is damaged: {exc}") from None
+    tail = one_line(" | ".join(_tail(err, 4096).decode("utf-8", "replace").splitlines()[-3:]))
     how = (
-        f"was killed by signal {-proc.returncode}"
-        if proc.returncode < 0
-        else (f"exited with status {proc.returncode}")
+        f"was killed by signal {-returncode}"
+        if returncode < 0
+        else (f"exited with status {returncode}")
     )
     raise RunFailed("crash", f"the process {how} without a result{': ' + tail if tail else ''}")
 
@@ -259,6 +322,7 @@ def run_bench(
                     "context_length": s.context_length,
                     "device": s.device,
                     "memory_budget": s.memory_budget,
+                    "timeout_s": s.timeout_s,
                 }
 
                 progress.show(f"{where} edgeinfer {label}")
@@ -288,7 +352,9 @@ def run_bench(
                         )
                     except RunFailed as exc:
                         failed.add(peer)
-                        line = f"{peer.engine} failed on {peer.path.name}, left out: {exc}"
+                        line = one_line(
+                            f"{peer.engine} failed on {peer.path.name}, left out: {exc}", 2000
+                        )
                         progress.say(line)
                         report.notes.append(line)
                         continue
