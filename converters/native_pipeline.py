@@ -22,7 +22,7 @@ from .gguf_vocab import (
     read_gguf_vocabulary,
     write_tokenizer_files,
 )
-from .onnx_builder import BuildReport, build_onnx_from_gguf, gguf_shape
+from .onnx.builder import BuildReport, build_onnx_from_gguf, gguf_shape
 from .source import file_sha256
 
 __all__ = ["convert_native", "write_gguf_folder"]

@@ -9,7 +9,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edgeinfer.converters.gguf_blocks import OFFSET_BLOCK, TRANSCODABLE, NBitsWeight, transcode
+from edgeinfer.converters.onnx.builder.gguf_blocks import (
+    OFFSET_BLOCK,
+    TRANSCODABLE,
+    NBitsWeight,
+    transcode,
+)
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType

@@ -93,7 +93,7 @@ def _overlap(model: g.Model) -> None:
 def _builder_refuses(path: Path) -> None:
     """The builder's own entry points, as `convert` and the catalog's ONNX route call them."""
     from edgeinfer.converters.gguf_vocab import checked_tokenizer_json, read_gguf_vocabulary
-    from edgeinfer.converters.onnx_builder import gguf_shape
+    from edgeinfer.converters.onnx.builder import gguf_shape
 
     gguf_shape(read_gguf_header(path))
     checked_tokenizer_json(read_gguf_vocabulary(path), path.name)

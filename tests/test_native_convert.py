@@ -204,7 +204,7 @@ def test_every_native_quant_loads_and_answers(
 def test_native_build_rejects_a_quant_it_does_not_write(
     tiny_llama_gguf: Path, tmp_path: Path
 ) -> None:
-    from edgeinfer.converters.onnx_builder import build_onnx_from_gguf
+    from edgeinfer.converters.onnx.builder import build_onnx_from_gguf
 
     with pytest.raises(ConversionError, match="keep, int4, int8, fp32"):
         build_onnx_from_gguf(tiny_llama_gguf, tmp_path, quant="fp16")
@@ -253,7 +253,7 @@ def test_safetensors_folder_builds_the_graph_its_gguf_builds(
 ) -> None:
     """The same weights from the Hugging Face folder and from its f32 GGUF give the same
     logits: names mapped, Llama's unpermuted q/k rotated by halves, Gemma's norms +1."""
-    from edgeinfer.converters.onnx_builder import build_onnx_from_gguf
+    from edgeinfer.converters.onnx.builder import build_onnx_from_gguf
 
     from .test_onnx_builder import Decoder
 

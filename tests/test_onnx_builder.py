@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import edgeinfer
-from edgeinfer.converters.onnx_builder import build_onnx_from_gguf
+from edgeinfer.converters.onnx.builder import build_onnx_from_gguf
 
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
@@ -92,7 +92,7 @@ def test_gguf_graph_matches_llama_cpp(
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> None:
-    from edgeinfer.converters.onnx_builder import gguf_shape
+    from edgeinfer.converters.onnx.builder import gguf_shape
     from edgeinfer.errors import ConversionError
     from edgeinfer.gguf_file import GGUFHeader
 
@@ -113,7 +113,7 @@ def test_default_gguf_keeps_its_blocks_and_answers_like_llama_cpp(
     # in a fresh interpreter, to prove the builder imports no torch, transformers or optimum
     code = (
         "import sys, json\n"
-        "from edgeinfer.converters.onnx_builder import build_onnx_from_gguf\n"
+        "from edgeinfer.converters.onnx.builder import build_onnx_from_gguf\n"
         f"r = build_onnx_from_gguf({str(default_gguf)!r}, {str(out)!r}, max_context=512)\n"
         "heavy = [m for m in ('torch', 'transformers', 'optimum') if m in sys.modules]\n"
         "print(json.dumps({'nbits': r.nbits, 'widened': r.widened, 'heavy': heavy}))\n"

@@ -31,9 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConversionError
-from ..gguf_checks import check_gguf_model
-from ..gguf_file import GGUFHeader, TensorInfo, read_gguf_header
+from edgeinfer.errors import ConversionError
+from edgeinfer.gguf_checks import check_gguf_model
+from edgeinfer.gguf_file import GGUFHeader, TensorInfo, read_gguf_header
+
 from .gguf_blocks import OFFSET_BLOCK, Q4_0, Q8_0, NBitsWeight, quantize_symmetric, transcode
 
 __all__ = [
@@ -301,7 +302,7 @@ def build_onnx_from_gguf(
 
     with contextlib.ExitStack() as stack:
         if src.is_dir():
-            from .hf_source import checkpoint_tensors
+            from edgeinfer.converters.hf_source import checkpoint_tensors
 
             header, tensors = stack.enter_context(checkpoint_tensors(src, progress))
         else:
