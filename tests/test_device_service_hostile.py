@@ -401,3 +401,39 @@ def test_output_encoding_never_fails() -> None:
         record = parse_json(raw, what="answer")
         assert record["id"] == 1 and record["error"]["type"] == "internal_error"
     assert json.loads(encode_answer({"id": 1, "text": "héllo"})) == {"id": 1, "text": "héllo"}
+
+
+def _line_reader() -> Any:
+    sys.path.insert(0, str(SERVICE.parent))
+    try:
+        from device_service import LineReader
+    finally:
+        sys.path.pop(0)
+    return LineReader
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.binary(max_size=12).map(lambda b: b.replace(b"\n", b"")), max_size=8),
+    st.booleans(),
+    st.lists(st.integers(1, 9), min_size=1, max_size=10),
+    st.integers(0, 10),
+)
+def test_line_reader_matches_a_plain_split(
+    parts: list[bytes], trailing: bool, cuts: list[int], limit: int
+) -> None:
+    """However the input is cut into chunks, the reader hands on each line of <= limit
+    bytes as it is and each longer one as its length."""
+    data = b"\n".join(parts) + (b"\n" if trailing else b"")
+    reader = _line_reader()(limit)
+    got: list[bytes | int] = []
+    at, i = 0, 0
+    while at < len(data):
+        size = cuts[i % len(cuts)]
+        got += reader.feed(data[at : at + size])
+        at, i = at + size, i + 1
+    got += reader.finish()
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()  # a final newline ends the last line, it does not start another
+    assert got == [line if len(line) <= limit else len(line) for line in lines]
