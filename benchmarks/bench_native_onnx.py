@@ -139,7 +139,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     from edgeinfer import catalog
-    from edgeinfer.converters.native_pipeline import write_gguf_folder
+    from edgeinfer.converters.onnx.folder import write_gguf_folder
 
     gguf = catalog.fetch(catalog.DEFAULT_MODEL)
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,7 +1,9 @@
-"""Prove a converted model still answers like its source.
+"""Prove a converted model still answers like its source: every route's checks live here.
 
-On a fixed set of prompts the source checkpoint (transformers, fp32) and the converted model
-(through edgeinfer's own runtime) are compared:
+Tokenizers first: a GGUF written from a checkpoint must give ``tokenizer.json``'s ids, and the
+``tokenizer.json`` written from a GGUF must give llama.cpp's, on ``TOKENIZER_CHECK_TEXT``.
+Then answers: on a fixed set of prompts the source (transformers in fp32, or llama.cpp on a
+GGUF) and the converted model (through edgeinfer's own runtime) are compared:
 - top-1 agreement: teacher-forced along the source's greedy continuation, how often the
   result's most likely next token is the source's;
 - mean KL divergence KL(source || result) of those next-token distributions;
@@ -11,7 +13,9 @@ On a fixed set of prompts the source checkpoint (transformers, fp32) and the con
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,20 +24,43 @@ from typing import Any
 import numpy as np
 
 from edgeinfer.config import LoadConfig
+from edgeinfer.errors import BackendUnavailableError, ConversionError, EdgeInferError
+from edgeinfer.inventory import devices
+from edgeinfer.loader import llama_cpp_installed, load
 from edgeinfer.manifest import Manifest
 from edgeinfer.model import Model
+from edgeinfer.policy import plan_providers
 
 from .config import ConvertConfig
 
 __all__ = [
+    "TOKENIZER_CHECK_TEXT",
     "VALIDATION_PROMPTS",
     "ModelReference",
     "TransformersReference",
+    "check_against_llama_cpp",
+    "check_gguf_tokenizer",
     "compare",
+    "open_result",
     "validate_conversion",
+    "validate_gguf",
+    "validate_native",
+    "validate_native_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
+
+OnPrompt = Callable[[int, int], None]  # (prompt number from 1, prompts)
+
+TOKENIZER_CHECK_TEXT = (
+    "Hello world! The quick brown fox, 1234567 apples; Café naïve résumé crème brûlée. "
+    "你好\uff0c世界。こんにちは、世界\uff01 Emoji: 🙂🎉🍎 and tabs\tand\nnew lines  double  spaces."
+)
+_NO_TORCH = (
+    "answers not compared: the source checkpoint needs torch and transformers to run "
+    "(pip install 'edgeinfer[convert]')"
+)
+_HF_REFERENCE = "the Hugging Face checkpoint through transformers (float32)"
 
 VALIDATION_PROMPTS = (
     "The capital of France is",
@@ -56,12 +83,152 @@ def validate_conversion(
         return compare(reference, model, cfg)
 
 
+def validate_gguf(cfg: ConvertConfig, result_path: Path, from_gguf: bool) -> dict[str, Any]:
+    """The written GGUF ``result_path`` against its source: the tokenizer, then the answers
+    (llama.cpp on a GGUF source; transformers on a checkpoint, when torch is installed)."""
+    threads = cfg.threads
+    with load(result_path, device="cpu", context_length=256, threads=threads) as model:
+        tokenizer = check_gguf_tokenizer(cfg.src, model, from_gguf)
+        if from_gguf:
+            with load(cfg.src, device="cpu", context_length=256, threads=threads) as src:
+                report = compare(ModelReference(src), model, cfg)
+            report["reference"] = f"{cfg.src.name} through llama.cpp"
+        elif _torch_installed():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                report = compare(TransformersReference(cfg.src), model, cfg)
+            report["reference"] = _HF_REFERENCE
+        else:
+            report = {"skipped": _NO_TORCH + "; tokenizer checked"}
+    report["tokenizer_check"] = tokenizer
+    return report
+
+
+def validate_native(
+    cfg: ConvertConfig, folder: Path, manifest: Manifest, *, on_prompt: OnPrompt | None = None
+) -> dict[str, Any]:
+    """The ONNX ``folder`` built from the GGUF ``cfg.src`` against llama.cpp on that file."""
+    if not llama_cpp_installed():
+        return {
+            "skipped": "answers not compared: llama.cpp, the reference for a GGUF source, is "
+            "not installed (pip install 'edgeinfer[gguf]')"
+        }
+    try:
+        with (
+            open_result(folder, manifest, cfg.threads) as model,
+            load(cfg.src, device="cpu", context_length=256, threads=cfg.threads) as ref,
+        ):
+            report = compare(ModelReference(ref), model, cfg, on_prompt=on_prompt)
+    except ConversionError:
+        raise
+    except EdgeInferError as exc:  # the written folder does not load: a conversion failure
+        raise ConversionError(f"the converted model could not be checked: {exc}") from exc
+    report["reference"] = f"{cfg.src.name} through llama.cpp"
+    return report
+
+
+def validate_native_checkpoint(
+    cfg: ConvertConfig,
+    checkpoint: Path,
+    folder: Path,
+    manifest: Manifest,
+    *,
+    on_prompt: OnPrompt | None = None,
+) -> dict[str, Any]:
+    """The ONNX ``folder`` built from the safetensors ``checkpoint`` against transformers."""
+    if not _torch_installed():
+        return {"skipped": _NO_TORCH}
+    with warnings.catch_warnings(), open_result(folder, manifest, cfg.threads) as model:
+        warnings.simplefilter("ignore")
+        report = compare(TransformersReference(checkpoint), model, cfg, on_prompt=on_prompt)
+    report["reference"] = _HF_REFERENCE
+    return report
+
+
+def check_gguf_tokenizer(src: Path, model: Model, from_gguf: bool) -> dict[str, Any]:
+    """The GGUF's tokenizer must give the source tokenizer's ids on a mixed-script text."""
+    if from_gguf:
+        return {"checked": False, "why": "quantization keeps the source's vocabulary"}
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return {"checked": False, "why": "the tokenizers library is not installed"}
+
+    expected = (
+        Tokenizer.from_file(str(src / "tokenizer.json"))
+        .encode(TOKENIZER_CHECK_TEXT, add_special_tokens=False)
+        .ids
+    )
+    got = model.tokenize(TOKENIZER_CHECK_TEXT, add_special=False)
+    if list(expected) != list(got):
+        first = _first_difference(expected, got)
+        raise ConversionError(
+            f"the GGUF tokenizer disagrees with {src / 'tokenizer.json'} from token {first} on "
+            f"a test text ({len(got)} vs {len(expected)} tokens); nothing was written"
+        )
+    return {"checked": True, "tokens": len(got)}
+
+
+def check_against_llama_cpp(
+    gguf: Path, folder: Path, text: str = TOKENIZER_CHECK_TEXT
+) -> dict[str, Any]:
+    """Tokenize ``text`` with the written tokenizer.json and with llama.cpp on ``gguf``.
+    Returns the report entry; raises ConversionError when the ids differ. Without
+    llama-cpp-python the check is reported as not run."""
+    from tokenizers import Tokenizer
+
+    try:
+        ours = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids
+    except Exception as exc:  # the tokenizers library raises plain Exception
+        raise ConversionError(
+            f"{gguf.name}: the written tokenizer.json does not load: {exc}"
+        ) from exc
+    theirs = _llama_cpp_ids(gguf, text)
+    if theirs is None:
+        logger.info("llama-cpp-python is not installed: tokenizer ids not compared")
+        return {"text": text, "ids": len(ours), "checked_against": None}
+    if list(ours) != list(theirs):
+        at = _first_difference(ours, theirs)
+        raise ConversionError(
+            f"{gguf.name}: the written tokenizer.json disagrees with llama.cpp on the check "
+            f"text from id {at} ({list(ours[at : at + 5])} vs {list(theirs[at : at + 5])}); "
+            "convert with --builder optimum"
+        )
+    return {"text": text, "ids": len(ours), "checked_against": "llama.cpp"}
+
+
+def _llama_cpp_ids(gguf: Path, text: str) -> list[int] | None:
+    """llama.cpp's ids for ``text`` from the vocabulary of ``gguf``; None without llama.cpp."""
+    from edgeinfer.runtimes.llama_cpp import engine
+
+    try:
+        llama_cpp = engine()  # its log goes to edgeinfer's engine logger
+    except BackendUnavailableError:
+        return None
+    try:
+        ref = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
+    except ValueError as exc:  # llama-cpp-python: "Failed to load model from file"
+        raise ConversionError(f"{gguf.name}: llama.cpp cannot read its vocabulary: {exc}") from exc
+    try:
+        return list(ref.tokenize(text.encode("utf-8"), add_bos=True, special=True))
+    finally:
+        ref.close()
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+def _torch_installed() -> bool:
+    return bool(importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"))
+
+
 @contextmanager
 def open_result(folder: Path, manifest: Manifest, threads: int | None) -> Iterator[Model]:
     """The converted folder (still marked partial) as a Model on the CPU, context 256."""
-    from edgeinfer.inventory import devices
-    from edgeinfer.policy import plan_providers
-    from edgeinfer.runtimes.onnxruntime import open_backend
+    from edgeinfer.runtimes.onnxruntime import open_backend  # imports onnxruntime
 
     cpu = plan_providers(devices(), "onnx", "cpu").candidates[0]  # validation runs on the CPU
     backend = open_backend(folder, LoadConfig(context_length=256, threads=threads), manifest, cpu)
@@ -77,7 +244,7 @@ def compare(
     model: Model,
     cfg: ConvertConfig,
     *,
-    on_prompt: Callable[[int, int], None] | None = None,
+    on_prompt: OnPrompt | None = None,
 ) -> dict[str, Any]:
     """Compare ``model`` with ``reference`` (anything with ``run(ids, n, is_eos)`` returning
     the greedy continuation and the next-token logits along it) on the fixed prompts;

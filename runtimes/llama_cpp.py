@@ -30,7 +30,7 @@ from edgeinfer.policy import Candidate
 
 from .base import TokenizerBase, aligned_chunks, check_fits, is_marker, tokenizer_text
 
-__all__ = ["LlamaCppBackend", "LlamaCppTokenizer", "open_backend"]
+__all__ = ["LlamaCppBackend", "LlamaCppTokenizer", "engine", "engine_log_listener", "open_backend"]
 
 logger = logging.getLogger(__name__)
 _engine_log = logging.getLogger(__name__ + ".engine")
@@ -65,9 +65,15 @@ def engine_log_listener(listener: Callable[[str], None]) -> Iterator[None]:
         _log_listeners.remove(listener)
 
 
+def engine() -> Any:
+    """The ``llama_cpp`` module, imported and initialised once (its log goes to the
+    ``.engine`` logger); BackendUnavailableError when llama-cpp-python is not installed."""
+    return _initialised()[0]
+
+
 @functools.cache
-def _engine() -> tuple[Any, Any]:
-    """Import and initialise llama.cpp once; its log goes to the ``.engine`` logger."""
+def _initialised() -> tuple[Any, Any]:
+    """Import llama.cpp, route its log and initialise its backend: once per process."""
     try:
         import llama_cpp
     except ImportError as exc:
@@ -157,7 +163,7 @@ class LlamaCppBackend:
     def __init__(
         self, path: Path, config: LoadConfig, header: GGUFHeader, candidate: Candidate
     ) -> None:
-        llama, _ = _engine()
+        llama = engine()
         self._llama = llama
         self._model: Any = None
         self._ctx: Any = None

@@ -49,7 +49,7 @@ def default_checkpoint(default_gguf: Path) -> Path:
     """The default model dequantized to a Hugging Face checkpoint (fp32 safetensors)."""
     pytest.importorskip("transformers", reason="needs the convert extra")
     from edgeinfer.converters.atomic import atomic_output_dir
-    from edgeinfer.converters.source import checkpoint_from_gguf
+    from edgeinfer.converters.sources.checkpoint import checkpoint_from_gguf
 
     folder = _derived_dir() / "hf"
     if not (folder / "config.json").is_file():
@@ -176,7 +176,7 @@ def no_template_model(tiny_llama_gguf: Path, tmp_path: Path) -> Path:
     pytest.importorskip("onnxruntime")
     import json
 
-    from edgeinfer.converters.native_pipeline import write_gguf_folder
+    from edgeinfer.converters.onnx.folder import write_gguf_folder
 
     folder = tmp_path / "plain"
     folder.mkdir()

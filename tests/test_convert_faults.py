@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from edgeinfer import ConversionError
 from edgeinfer.converters import convert
 from edgeinfer.converters.atomic import DiskFullError, atomic_output_file
-from edgeinfer.converters.hf_config import read_model_config
-from edgeinfer.converters.safetensors_reader import open_checkpoint
+from edgeinfer.converters.sources.hf_config import read_model_config
+from edgeinfer.converters.sources.safetensors_reader import open_checkpoint
 
 pytest.importorskip("gguf", reason="needs the convert extra")
 
@@ -445,7 +445,7 @@ def test_disk_filling_up_mid_write_leaves_nothing(
 ) -> None:
     """The space check passes (as when another program fills the disk meanwhile): the
     write itself meets ENOSPC."""
-    from edgeinfer.converters import gguf_export
+    from edgeinfer.converters.gguf import writer as gguf_export
 
     monkeypatch.setattr(gguf_export, "ensure_free_space", lambda out, needed: None)
     disk = small_disk(128 * 1024)
@@ -460,7 +460,7 @@ def test_disk_filling_up_mid_write_leaves_nothing(
 def test_onnx_route_on_a_full_disk(
     tiny_hf: Path, small_disk: Callable[[int], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from edgeinfer.converters import pipeline
+    from edgeinfer.converters.onnx import optimum as pipeline
 
     disk = small_disk(256 * 1024)
     with pytest.raises(DiskFullError, match="not enough disk space"):
@@ -559,10 +559,10 @@ def _interrupt_after(calls: int, real: Callable[..., Any]) -> Callable[..., Any]
 @pytest.mark.parametrize(
     ("to", "quant", "target"),
     [
-        ("gguf", "f32", "converters.safetensors_reader.SafetensorsIndex.read"),
-        ("gguf", "q4_0", "converters.gguf_pipeline.quantize_gguf"),
-        ("gguf", "f16", "converters.gguf_pipeline._validate"),
-        ("onnx", "fp32", "converters.onnx_export.export_onnx"),
+        ("gguf", "f32", "converters.sources.safetensors_reader.SafetensorsIndex.read"),
+        ("gguf", "q4_0", "converters.gguf.route.quantize_gguf"),
+        ("gguf", "f16", "converters.gguf.route._validate"),
+        ("onnx", "fp32", "converters.onnx.export.export_onnx"),
     ],
 )
 def test_keyboard_interrupt_mid_conversion_leaves_nothing(

@@ -72,7 +72,7 @@ def _genai_config(gguf: Path, *, share: bool = True) -> dict[str, object]:
 def genai_folder(tiny_llama_gguf: Path, tmp_path: Path) -> Path:
     """A GroupQueryAttention graph with the tensor names genai graphs use, in genai's folder
     layout: no edgeinfer.json."""
-    from edgeinfer.converters.native_pipeline import write_gguf_folder
+    from edgeinfer.converters.onnx.folder import write_gguf_folder
 
     built = tmp_path / "built"
     built.mkdir()
@@ -90,7 +90,7 @@ def genai_folder(tiny_llama_gguf: Path, tmp_path: Path) -> Path:
 def test_genai_folder_loads_and_generates_like_the_same_graph(
     genai_folder: Path, tiny_llama_gguf: Path, tmp_path: Path
 ) -> None:
-    from edgeinfer.converters.native_pipeline import write_gguf_folder
+    from edgeinfer.converters.onnx.folder import write_gguf_folder
 
     ours = tmp_path / "ours"
     ours.mkdir()
@@ -192,7 +192,7 @@ def _opened_during(call: Callable[[], object]) -> tuple[object, list[str]]:
 @pytest.fixture(scope="module")
 def genai_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A genai folder of the torch-free tiny Llama (tests/ggufgen.py), copied per test."""
-    from edgeinfer.converters.native_pipeline import write_gguf_folder
+    from edgeinfer.converters.onnx.folder import write_gguf_folder
 
     from .ggufgen import tiny_llama
 
@@ -325,7 +325,7 @@ def test_a_native_manifest_longer_than_the_rotary_cache_is_refused(
     genai_base: Path, tmp_path: Path
 ) -> None:
     """The same check guards edgeinfer.json: the backend reads the graph's cache too."""
-    from edgeinfer.converters.native_pipeline import write_gguf_folder
+    from edgeinfer.converters.onnx.folder import write_gguf_folder
 
     from .ggufgen import tiny_llama
 

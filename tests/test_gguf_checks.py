@@ -92,8 +92,8 @@ def _overlap(model: g.Model) -> None:
 
 def _builder_refuses(path: Path) -> None:
     """The builder's own entry points, as `convert` and the catalog's ONNX route call them."""
-    from edgeinfer.converters.gguf_vocab import checked_tokenizer_json, read_gguf_vocabulary
     from edgeinfer.converters.onnx.builder import gguf_shape
+    from edgeinfer.converters.onnx.vocab import checked_tokenizer_json, read_gguf_vocabulary
 
     gguf_shape(read_gguf_header(path))
     checked_tokenizer_json(read_gguf_vocabulary(path), path.name)
@@ -391,7 +391,7 @@ def test_llama_cpp_never_crashes_on_hostile_models(
 @given(model=st.one_of(hostile_models(), hostile_tables()))
 def test_the_builder_writes_or_refuses_hostile_models(scratch: Path, model: g.Model) -> None:
     pytest.importorskip("onnx")
-    from edgeinfer.converters.native_pipeline import write_gguf_folder
+    from edgeinfer.converters.onnx.folder import write_gguf_folder
 
     path = model.write(scratch / "build.gguf")
     with tempfile.TemporaryDirectory(dir=scratch) as out:

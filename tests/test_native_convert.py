@@ -37,9 +37,9 @@ TEXTS = (
 
 
 def _llama_ids(gguf: Path, text: str) -> list[int]:
-    from edgeinfer.runtimes.llama_cpp import _engine
+    from edgeinfer.runtimes.llama_cpp import engine
 
-    llama_cpp, _ = _engine()
+    llama_cpp = engine()
     ref = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
     try:
         return list(ref.tokenize(text.encode("utf-8"), add_bos=True, special=True))
@@ -50,7 +50,7 @@ def _llama_ids(gguf: Path, text: str) -> list[int]:
 def _check_vocabulary(gguf: Path, tmp_path: Path, extra: tuple[str, ...] = ()) -> None:
     from tokenizers import Tokenizer
 
-    from edgeinfer.converters.gguf_vocab import read_gguf_vocabulary, write_tokenizer_files
+    from edgeinfer.converters.onnx.vocab import read_gguf_vocabulary, write_tokenizer_files
 
     pytest.importorskip("llama_cpp")
     vocab = read_gguf_vocabulary(gguf)
@@ -71,7 +71,7 @@ def test_bpe_vocabulary_gives_llama_cpp_ids(
 def test_sentencepiece_vocabulary_gives_llama_cpp_ids(
     tiny_gemma_gguf: Path, tmp_path: Path
 ) -> None:
-    from edgeinfer.converters.gguf_vocab import read_gguf_vocabulary
+    from edgeinfer.converters.onnx.vocab import read_gguf_vocabulary
 
     vocab = read_gguf_vocabulary(tiny_gemma_gguf)
     assert vocab.model == "llama" and vocab.scores  # SentencePiece: pieces merge by score
@@ -86,7 +86,7 @@ def test_default_model_vocabulary_gives_llama_cpp_ids(default_gguf: Path, tmp_pa
 
 
 def test_vocabulary_of_an_unknown_kind_is_refused(tmp_path: Path) -> None:
-    from edgeinfer.converters.gguf_vocab import read_gguf_vocabulary
+    from edgeinfer.converters.onnx.vocab import read_gguf_vocabulary
 
     gguf = pytest.importorskip("gguf")
     path = tmp_path / "rwkv.gguf"
@@ -185,7 +185,7 @@ def test_cli_converts_a_sentencepiece_gemma_and_checks_its_tokenizer(
 def test_every_native_quant_loads_and_answers(
     tiny_llama_gguf: Path, tmp_path: Path, quant: str
 ) -> None:
-    from edgeinfer.converters.native_pipeline import write_gguf_folder
+    from edgeinfer.converters.onnx.folder import write_gguf_folder
 
     folder = tmp_path / quant
     folder.mkdir()

@@ -138,7 +138,7 @@ def test_default_gguf_keeps_its_blocks_and_answers_like_llama_cpp(
 def test_native_folder_loads_and_generates_like_llama_cpp(
     tiny_llama_gguf: Path, tmp_path: Path
 ) -> None:
-    from edgeinfer.converters.native_pipeline import write_gguf_folder
+    from edgeinfer.converters.onnx.folder import write_gguf_folder
 
     folder = tmp_path / "native"
     folder.mkdir()

@@ -82,7 +82,7 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     path = gguf
     if request.param == "onnx":
         pytest.importorskip("onnxruntime")
-        from edgeinfer.converters.native_pipeline import write_gguf_folder
+        from edgeinfer.converters.onnx.folder import write_gguf_folder
 
         path = tmp_path_factory.mktemp("tiny-native")
         write_gguf_folder(gguf, path, max_context=256)

@@ -37,7 +37,7 @@ texts = st.lists(
 
 @pytest.fixture(scope="module")
 def tiny_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from edgeinfer.converters.native_pipeline import write_gguf_folder
+    from edgeinfer.converters.onnx.folder import write_gguf_folder
 
     root = tmp_path_factory.mktemp("tiny-text")
     gguf = tiny_llama().write(root / "tiny.gguf")

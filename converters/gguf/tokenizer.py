@@ -15,14 +15,9 @@ from typing import Any
 
 from edgeinfer.errors import ConversionError
 
-from .hf_config import read_json_object
+from ..sources.hf_config import read_json_object
 
-__all__ = ["TOKENIZER_CHECK_TEXT", "GGUFVocab", "read_vocab", "write_vocab"]
-
-TOKENIZER_CHECK_TEXT = (
-    "Hello world! The quick brown fox, 1234567 apples; Café naïve résumé crème brûlée. "
-    "你好\uff0c世界。こんにちは、世界\uff01 Emoji: 🙂🎉🍎 and tabs\tand\nnew lines  double  spaces."
-)
+__all__ = ["GGUFVocab", "read_vocab", "write_vocab"]
 
 # Recognised byte-level BPE pre-tokenizers -> llama.cpp's tokenizer.ggml.pre.
 _LLAMA3_SPLIT = (

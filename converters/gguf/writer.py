@@ -26,15 +26,16 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from edgeinfer.errors import ConversionError, ModelLoadError
+from edgeinfer.gguf_checks import check_gguf_model
+from edgeinfer.gguf_file import read_gguf_header
 
-from .atomic import ensure_free_space
-from .gguf_tokenizer import TOKENIZER_CHECK_TEXT, read_vocab, write_vocab
-from .hf_config import ModelConfig, read_model_config
-from .safetensors_reader import SafetensorsIndex, open_checkpoint
+from ..atomic import ensure_free_space
+from ..sources.hf_config import ModelConfig, read_model_config
+from ..sources.safetensors_reader import SafetensorsIndex, open_checkpoint
+from .tokenizer import read_vocab, write_vocab
 
 __all__ = [
     "LLAMA_QUANTS",
-    "TOKENIZER_CHECK_TEXT",
     "WRITER_TYPES",
     "gguf_architecture",
     "quantize_gguf",
@@ -302,16 +303,14 @@ def quantize_gguf(
     """Quantize the F32/F16/BF16 GGUF ``src`` to ``dst`` with llama.cpp's quantizer."""
     if quant not in LLAMA_QUANTS:
         raise ConversionError(f"llama.cpp quantization {quant!r} is not one of {LLAMA_QUANTS}")
-    from edgeinfer.gguf_checks import check_gguf_model
-    from edgeinfer.gguf_file import read_gguf_header
-    from edgeinfer.runtimes.llama_cpp import _engine, engine_log_listener
+    from edgeinfer.runtimes.llama_cpp import engine, engine_log_listener
 
     try:  # llama.cpp's quantizer aborts on some inconsistent files, as its loader does
         check_gguf_model(read_gguf_header(src), error=ConversionError)
     except ModelLoadError as exc:
         raise ConversionError(f"cannot quantize {src.name}: {exc}") from exc
 
-    llama, _ = _engine()
+    llama = engine()
     say = progress or (lambda line: logger.info("%s", line))
     params = llama.llama_model_quantize_default_params()
     params.ftype = _FTYPES[quant]

@@ -13,8 +13,8 @@ SentencePiece one, and the special ids. This module turns them into the Hugging 
   score) and anything left over falls back to ``<0xXX>`` byte tokens.
 
 Control tokens become special added tokens (matched in prompts, never shown as text);
-user-defined ones become plain added tokens. ``check_against_llama_cpp`` compares the ids
-with llama.cpp on the source file when llama-cpp-python is installed.
+user-defined ones become plain added tokens. ``validate.check_against_llama_cpp`` compares
+the ids with llama.cpp on the source file when llama-cpp-python is installed.
 """
 
 from __future__ import annotations
@@ -29,14 +29,12 @@ from edgeinfer.errors import ConversionError
 from edgeinfer.gguf_checks import check_gguf_model
 from edgeinfer.gguf_file import read_gguf_header
 
-from .gguf_tokenizer import TOKENIZER_CHECK_TEXT
-
 __all__ = [
     "GGUFVocabulary",
-    "check_against_llama_cpp",
     "checked_tokenizer_json",
     "read_gguf_vocabulary",
     "tokenizer_json",
+    "write_tokenizer_files",
 ]
 
 logger = logging.getLogger(__name__)
@@ -188,7 +186,21 @@ def _array(meta: dict[str, Any], key: str, n: int, name: str) -> list[Any] | Non
 
 def tokenizer_json(vocab: GGUFVocabulary) -> dict[str, Any]:
     """The ``tokenizer.json`` document for ``vocab``."""
-    added = [
+    doc: dict[str, Any] = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": _added_tokens(vocab),
+        "normalizer": None,
+        "post_processor": _post_processor(vocab),
+    }
+    parts = _byte_level_bpe(vocab) if vocab.model == "gpt2" else _sentencepiece(vocab)
+    return {**doc, **parts}
+
+
+def _added_tokens(vocab: GGUFVocabulary) -> list[dict[str, Any]]:
+    """Control tokens as special added tokens, user-defined ones as plain added tokens."""
+    return [
         {
             "id": i,
             "content": t,
@@ -201,55 +213,57 @@ def tokenizer_json(vocab: GGUFVocabulary) -> dict[str, Any]:
         for i, (t, kind) in enumerate(zip(vocab.tokens, vocab.types, strict=True))
         if kind in (_CONTROL, _USER_DEFINED) and t
     ]
-    doc: dict[str, Any] = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": added,
-        "normalizer": None,
-        "post_processor": _post_processor(vocab),
-    }
-    if vocab.model == "gpt2":
-        steps = [
-            {"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False}
-            for r in _PRE_SPLITS[vocab.pre]
-        ]
-        byte_level = {"add_prefix_space": False, "trim_offsets": True, "use_regex": False}
-        doc["pre_tokenizer"] = {
+
+
+def _byte_level_bpe(vocab: GGUFVocabulary) -> dict[str, Any]:
+    """llama.cpp's regex splits for the file's ``pre``, then bytes as unicode, then merges."""
+    steps = [
+        {"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False}
+        for r in _PRE_SPLITS[vocab.pre]
+    ]
+    byte_level = {"add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    model = _bpe(
+        vocab.tokens,
+        [m.split(" ", 1) for m in vocab.merges],
+        byte_fallback=False,
+        ignore_merges=vocab.pre in _IGNORE_MERGES,
+        unk=None,
+    )
+    return {
+        "pre_tokenizer": {
             "type": "Sequence",
             "pretokenizers": [*steps, {"type": "ByteLevel", **byte_level}],
-        }
-        doc["decoder"] = {"type": "ByteLevel", **byte_level}
-        doc["model"] = _bpe(
-            vocab.tokens,
-            [m.split(" ", 1) for m in vocab.merges],
-            byte_fallback=False,
-            ignore_merges=vocab.pre in _IGNORE_MERGES,
-            unk=None,
-        )
-    else:
-        doc["pre_tokenizer"] = {
+        },
+        "decoder": {"type": "ByteLevel", **byte_level},
+        "model": model,
+    }
+
+
+def _sentencepiece(vocab: GGUFVocabulary) -> dict[str, Any]:
+    """Spaces as U+2581 (a leading one when ``add_space_prefix``), merges ranked by score,
+    unknown bytes as ``<0xXX>`` tokens."""
+    decoders = [
+        {"type": "Replace", "pattern": {"String": _SPM_SPACE}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+    ]
+    model = _bpe(
+        vocab.tokens,
+        _merges_by_score(vocab),
+        byte_fallback=True,
+        ignore_merges=False,
+        unk=vocab.token(vocab.unk_id),
+    )
+    return {
+        "pre_tokenizer": {
             "type": "Metaspace",
             "replacement": _SPM_SPACE,
             "prepend_scheme": "first" if vocab.add_space_prefix else "never",
             "split": False,
-        }
-        doc["decoder"] = {
-            "type": "Sequence",
-            "decoders": [
-                {"type": "Replace", "pattern": {"String": _SPM_SPACE}, "content": " "},
-                {"type": "ByteFallback"},
-                {"type": "Fuse"},
-            ],
-        }
-        doc["model"] = _bpe(
-            vocab.tokens,
-            _merges_by_score(vocab),
-            byte_fallback=True,
-            ignore_merges=False,
-            unk=vocab.token(vocab.unk_id),
-        )
-    return doc
+        },
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": model,
+    }
 
 
 def _bpe(
@@ -344,46 +358,3 @@ def write_tokenizer_files(vocab: GGUFVocabulary, folder: Path, document: str | N
     (folder / "tokenizer.json").write_text(text, encoding="utf-8")
     if vocab.chat_template:
         (folder / "chat_template.jinja").write_text(vocab.chat_template, encoding="utf-8")
-
-
-def check_against_llama_cpp(
-    gguf: Path, folder: Path, text: str = TOKENIZER_CHECK_TEXT
-) -> dict[str, Any]:
-    """Tokenize ``text`` with the written tokenizer.json and with llama.cpp on ``gguf``.
-    Returns the report entry; raises ConversionError when the ids differ. Without
-    llama-cpp-python the check is reported as not run."""
-    from tokenizers import Tokenizer
-
-    try:
-        ours = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids
-    except Exception as exc:  # the tokenizers library raises plain Exception
-        raise ConversionError(
-            f"{gguf.name}: the written tokenizer.json does not load: {exc}"
-        ) from exc
-    from edgeinfer.errors import BackendUnavailableError
-    from edgeinfer.runtimes.llama_cpp import _engine
-
-    try:
-        llama_cpp, _ = _engine()  # its log goes to edgeinfer's engine logger
-    except BackendUnavailableError:
-        logger.info("llama-cpp-python is not installed: tokenizer ids not compared")
-        return {"text": text, "ids": len(ours), "checked_against": None}
-    try:
-        ref = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
-    except ValueError as exc:  # llama-cpp-python: "Failed to load model from file"
-        raise ConversionError(f"{gguf.name}: llama.cpp cannot read its vocabulary: {exc}") from exc
-    try:
-        theirs = ref.tokenize(text.encode("utf-8"), add_bos=True, special=True)
-    finally:
-        ref.close()
-    if list(ours) != list(theirs):
-        at = next(
-            (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
-            min(len(ours), len(theirs)),
-        )
-        raise ConversionError(
-            f"{gguf.name}: the written tokenizer.json disagrees with llama.cpp on the check "
-            f"text from id {at} ({list(ours[at : at + 5])} vs {list(theirs[at : at + 5])}); "
-            "convert with --builder optimum"
-        )
-    return {"text": text, "ids": len(ours), "checked_against": "llama.cpp"}

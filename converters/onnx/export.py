@@ -20,9 +20,9 @@ from typing import Any
 from edgeinfer.errors import ConversionError
 from edgeinfer.manifest import Architecture, Manifest
 
-from .config import ConvertConfig
-from .hf_config import ModelConfig, read_json_object, read_model_config, token_ids
-from .source import SourceCheckpoint
+from ..config import ConvertConfig
+from ..sources.checkpoint import SourceCheckpoint
+from ..sources.hf_config import ModelConfig, read_json_object, read_model_config, token_ids
 
 __all__ = ["export_onnx", "quantize_onnx", "write_model_folder"]
 
