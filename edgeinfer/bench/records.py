@@ -180,12 +180,10 @@ def check_run(data: Any, where: str = "", *, needs_ids: bool = False) -> dict[st
     return run
 
 
-def check_error(data: dict[str, Any], where: str) -> tuple[str, str]:
+def check_error(data: dict[str, Any]) -> tuple[str, str]:
     """The (type, message) of a worker's error record, the message cut to one short line."""
-    error = _object(data.get("error"), f"{where}.error")
-    _fields(
-        error, {"type": (_string, "a string"), "message": (_string, "a string")}, f"{where}.error"
-    )
+    error = _object(data.get("error"), "error")
+    _fields(error, {"type": (_string, "a string"), "message": (_string, "a string")}, "error")
     return one_line(error["type"], 100), one_line(error["message"])
 
 

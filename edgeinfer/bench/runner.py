@@ -252,9 +252,12 @@ def _result(engine: Any, returncode: int, out: bytes, err: Any) -> dict[str, Any
         if not line.startswith(mark):
             continue
         try:
-            record = parse_result_line(line[len(mark) :], "the result line")
+            record = parse_result_line(line[len(mark) :], "its result line")
+        except BenchResultError as exc:
+            raise RunFailed("BenchResultError", str(exc)) from None
+        try:
             if "error" in record:
-                raise RunFailed(*check_error(record, "the result line"))
+                raise RunFailed(*check_error(record))
             return check_run(record, needs_ids=engine == "edgeinfer")
         except BenchResultError as exc:
             raise RunFailed("BenchResultError", f"its result line is damaged: {exc}") from None
