@@ -19,7 +19,8 @@ from .inventory import (
     build_inventory,
     devices,
 )
-from .memory import FRESH_PROCESS_BYTES, MemoryPlan, plan_memory, shape_of
+from .memory import FRESH_PROCESS_BYTES, MemoryPlan, plan_memory
+from .model_shape import shape_of
 from .policy import plan_providers
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from .detokenizer import IncrementalDetokenizer
 from .errors import InvalidRequestError
-from .memory import peak_rss
+from .rss import peak_rss
 from .sampling import Sampler, SamplingConfig
 
 if TYPE_CHECKING:

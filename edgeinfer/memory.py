@@ -62,12 +62,13 @@ import math
 import re
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import psutil
 
 from .errors import InvalidRequestError, MemoryBudgetError
+from .model_shape import ModelShape
+from .rss import peak_rss, resident_with_mapped_files
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +78,7 @@ __all__ = [
     "FitAtLoad",
     "MemoryPlan",
     "parse_size",
-    "peak_rss",
     "plan_memory",
-    "resident_with_mapped_files",
 ]
 
 MiB = 2**20
@@ -200,38 +199,6 @@ def parse_size(value: int | str) -> int:
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    """What the plan needs to know about a model, read from its metadata."""
-
-    format: str  # "gguf" | "onnx"
-    quantization: str
-    weight_bytes: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim_k: int
-    head_dim_v: int
-    kv_element_bytes: int
-    n_vocab: int
-    trained_context: int
-    tokenizer_bytes: int = 0
-    files: tuple[str, ...] = ()  # the files the engine maps (weights), as absolute paths
-    kv_cache: str = "grow"  # ONNX: "shared" when one preallocated buffer holds the cache
-    # ONNX: the graph returns logits for every position of a prefill batch (optimum's and
-    # onnxruntime-genai's graphs), not the last one only (the native builder's)
-    logits_all_positions: bool = True
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return (
-            self.n_layers
-            * self.n_kv_heads
-            * (self.head_dim_k + self.head_dim_v)
-            * (self.kv_element_bytes)
-        )
-
-
-@dataclass(frozen=True)
 class MemoryPlan:
     """Host memory for one loaded model, planned before loading it. All figures in bytes."""
 
@@ -285,85 +252,8 @@ class MemoryPlan:
         )
 
 
-def peak_rss() -> int:
-    """The process's peak resident set size in bytes (Linux VmHWM), 0 if unknown."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        info = psutil.Process().memory_info()
-        peak = getattr(info, "peak_wset", None)  # Windows
-        if peak:
-            return int(peak)
-        import resource
-
-        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(maxrss if sys.platform == "darwin" else maxrss * 1024)
-    except (ImportError, OSError, psutil.Error):
-        return 0
-
-
 def _mb(n: int) -> str:
     return f"{n / 1e6:.0f} MB"
-
-
-def shape_of(source: Any) -> ModelShape:
-    """The ModelShape of a resolved model (``loader.ModelSource``)."""
-    if source.format == "gguf":
-        return _gguf_shape(source.header)
-    return _onnx_shape(source.path, source.header)
-
-
-def _gguf_shape(header: Any) -> ModelShape:
-    n_head = int(header.arch_value("attention.head_count", 1)) or 1
-    n_embd = int(header.arch_value("embedding_length", 0))
-    tokens = header.metadata.get("tokenizer.ggml.tokens")
-    n_vocab = int(header.arch_value("vocab_size", 0)) or int(getattr(tokens, "length", 0) or 0)
-    if not n_vocab and isinstance(tokens, list):
-        n_vocab = len(tokens)
-    return ModelShape(
-        format="gguf",
-        quantization="default",
-        weight_bytes=max(header.file_size - header.data_offset, header.weight_nbytes),
-        n_layers=int(header.arch_value("block_count", 0)),
-        n_heads=n_head,
-        n_kv_heads=int(header.arch_value("attention.head_count_kv", n_head)),
-        head_dim_k=int(header.arch_value("attention.key_length", n_embd // n_head)),
-        head_dim_v=int(header.arch_value("attention.value_length", n_embd // n_head)),
-        kv_element_bytes=2,  # llama.cpp's default KV cache type: f16
-        n_vocab=n_vocab,
-        trained_context=int(header.arch_value("context_length", 0)),
-        files=(str(Path(header.path).resolve()),) if getattr(header, "path", None) else (),
-    )
-
-
-def _onnx_shape(folder: Path, manifest: Any) -> ModelShape:
-    arch = manifest.architecture
-    graph = folder / manifest.model_file
-    files = [graph, *folder.glob(manifest.model_file + ".data")]
-    weight_bytes = sum(p.stat().st_size for p in files if p.is_file())
-    tokenizer = folder / manifest.tokenizer_file
-    return ModelShape(
-        format="onnx",
-        quantization=str(manifest.quantization.get("method", "default")),
-        weight_bytes=weight_bytes,
-        n_layers=arch.num_layers,
-        n_heads=max(1, arch.hidden_size // arch.head_dim) if arch.head_dim else 1,
-        n_kv_heads=arch.num_kv_heads,
-        head_dim_k=arch.head_dim,
-        head_dim_v=arch.head_dim,
-        kv_element_bytes=2 if arch.kv_dtype == "float16" else 4,
-        n_vocab=arch.vocab_size,
-        trained_context=arch.max_context,
-        tokenizer_bytes=tokenizer.stat().st_size if tokenizer.is_file() else 0,
-        files=tuple(str(p.resolve()) for p in files if p.is_file()),
-        kv_cache=arch.kv_cache,
-        logits_all_positions=manifest.quantization.get("builder") != "native",
-    )
 
 
 def plan_memory(
@@ -385,11 +275,7 @@ def plan_memory(
     compute threads. ``loaded`` is the resident set measured once the engine holds the
     weights (see ``FitAtLoad``): it then replaces the estimated process, weights and engine.
     """
-    costs = _COSTS["onnx-shared" if shape.kv_cache == "shared" else shape.format]
-    if shape.kv_cache == "shared" and shape.logits_all_positions:  # onnxruntime-genai's graphs
-        costs = dataclasses.replace(
-            costs, logits_per_batch_token=_COSTS["onnx"].logits_per_batch_token
-        )
+    costs = _costs_for(shape)
     if process is None:
         process = psutil.Process().memory_info().rss
     if engine_loaded is None:
@@ -398,7 +284,7 @@ def plan_memory(
         process += costs.import_bytes
     limit, source = _budget(budget, process, available)
     factor = costs.weight_factor.get(shape.quantization, costs.weight_factor["default"])
-    base = dict(
+    fixed = MemoryPlan(
         budget=limit,
         budget_source=source,
         process=process,
@@ -410,25 +296,52 @@ def plan_memory(
         ),
         kv_bytes_per_token=shape.kv_bytes_per_token,
         kv_factor=costs.kv_factor,
+        context_length=0,
         trained_context=shape.trained_context,
+        batch_size=0,
+        compute=0,
+        headroom=0,
         threads=threads,
         loaded=loaded,
     )
+    sizing = _Sizing(costs, shape, fixed)
+    return _fit(sizing, context_length, limit, batches)
 
-    def plan_for(ctx: int, batch: int) -> MemoryPlan:
+
+def _costs_for(shape: ModelShape) -> _EngineCosts:
+    """The measured costs of the engine and graph kind that will run ``shape``."""
+    costs = _COSTS["onnx-shared" if shape.kv_cache == "shared" else shape.format]
+    if shape.kv_cache == "shared" and shape.logits_all_positions:  # onnxruntime-genai's graphs
+        costs = dataclasses.replace(
+            costs, logits_per_batch_token=_COSTS["onnx"].logits_per_batch_token
+        )
+    return costs
+
+
+@dataclass(frozen=True)
+class _Sizing:
+    """What every candidate plan for one model shares: the engine's costs, the model's
+    shape, and the terms that do not depend on the context or the batch (``fixed``: a plan
+    with no context, no compute and no headroom)."""
+
+    costs: _EngineCosts
+    shape: ModelShape
+    fixed: MemoryPlan
+
+    def plan(self, ctx: int, batch: int) -> MemoryPlan:
+        """The plan for a ``ctx``-token context read in prefill batches of ``batch`` tokens."""
         batch = min(batch, ctx)
+        costs, shape = self.costs, self.shape
         compute = int(
             costs.score_bytes * batch * ctx * shape.n_heads
             + costs.logits_per_batch_token * batch * shape.n_vocab
             + costs.compute_fixed_bytes
-            + costs.thread_bytes * threads
+            + costs.thread_bytes * self.fixed.threads
         )
-        draft = MemoryPlan(
-            **base, context_length=ctx, batch_size=batch, compute=compute, headroom=0
+        draft = dataclasses.replace(
+            self.fixed, context_length=ctx, batch_size=batch, compute=compute
         )
         return dataclasses.replace(draft, headroom=_headroom(draft))
-
-    return _fit(plan_for, context_length, shape.trained_context, limit, batches)
 
 
 def _budget(budget: int | str | None, process: int, available: int | None) -> tuple[int, str]:
@@ -447,10 +360,11 @@ def _headroom(draft: MemoryPlan) -> int:
 
 
 def _fit(
-    plan_for: Any, context_length: int | None, trained_context: int, limit: int,
-    batches: tuple[int, ...],
-) -> MemoryPlan:  # fmt: skip
+    sizing: _Sizing, context_length: int | None, limit: int, batches: tuple[int, ...]
+) -> MemoryPlan:
     """The plan for ``context_length``, else the largest context that fits ``limit``."""
+    plan_for = sizing.plan
+    trained_context = sizing.shape.trained_context
     trained = trained_context if trained_context > 0 else 2**31
     if context_length is not None:
         if context_length > trained:
@@ -464,7 +378,7 @@ def _fit(
         raise _refusal(plan_for(context_length, batches[-1]), "context_length")
     best: MemoryPlan | None = None
     for batch in batches:
-        ctx = _largest_context(plan_for, batch, limit, trained)
+        ctx = _largest_context(sizing, batch, limit, trained)
         if ctx and (best is None or ctx > best.context_length):
             best = plan_for(ctx, batch)
     if best is None or best.context_length < min(MIN_CONTEXT, trained):
@@ -472,8 +386,9 @@ def _fit(
     return best
 
 
-def _largest_context(plan_for: Any, batch: int, limit: int, trained: int) -> int:
+def _largest_context(sizing: _Sizing, batch: int, limit: int, trained: int) -> int:
     """The largest context (a multiple of 256, or the trained context) that fits ``limit``."""
+    plan_for = sizing.plan
     if plan_for(trained, batch).total <= limit:
         return trained
     lo, hi = 0, math.ceil(trained / _CONTEXT_STEP)
@@ -507,35 +422,6 @@ def _refusal(plan: MemoryPlan, cause: str) -> MemoryBudgetError:
 
 
 # -- measured at load ----------------------------------------------------------------------
-
-
-def resident_with_mapped_files(files: tuple[str, ...]) -> int | None:
-    """This process's resident set now, with ``files``' mappings counted at their full size.
-
-    An engine maps its weights file and reads it lazily: a page becomes resident when a
-    kernel first reads it (an embedding row when its token first appears), so the weights
-    count in full although some are not resident yet. Linux only (``/proc/self/smaps``);
-    None elsewhere.
-    """
-    try:
-        with open("/proc/self/smaps", encoding="utf-8", errors="replace") as fh:
-            lines = fh.readlines()
-    except OSError:
-        return None
-    rss = mapped_rss = mapped_size = 0
-    in_file = False
-    for line in lines:
-        fields = line.split()
-        if not fields:
-            continue
-        if not fields[0].endswith(":"):  # a mapping's header: address perms offset dev inode path
-            in_file = len(fields) >= 6 and " ".join(fields[5:]) in files
-        elif fields[0] == "Rss:":
-            rss += int(fields[1]) * 1024
-            mapped_rss += int(fields[1]) * 1024 if in_file else 0
-        elif fields[0] == "Size:" and in_file:
-            mapped_size += int(fields[1]) * 1024
-    return rss - mapped_rss + mapped_size
 
 
 class FitAtLoad:

@@ -23,9 +23,9 @@ from edgeinfer.memory import (
     FitAtLoad,
     parse_size,
     plan_memory,
-    resident_with_mapped_files,
-    shape_of,
 )
+from edgeinfer.model_shape import shape_of
+from edgeinfer.rss import resident_with_mapped_files
 from edgeinfer.sampling import Sampler, SamplingConfig
 from tests.fakes import FakeBackend
 
@@ -292,7 +292,7 @@ def test_the_margin_grows_with_threads_and_context(gguf_shape: Any) -> None:
 CHILD = r"""
 import json, sys
 import edgeinfer
-from edgeinfer.memory import peak_rss
+from edgeinfer.rss import peak_rss
 model, budget, threads, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 with edgeinfer.load(model, memory_budget=budget, threads=threads) as llm:
     n_ctx, n_vocab = llm.context_length, llm.info["vocab_size"]
@@ -371,7 +371,7 @@ def test_absurd_sizes_are_invalid_not_a_crash() -> None:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM is Linux's")
 def test_native_onnx_peak_rss_stays_within_the_budget(default_gguf: Path, tmp_path: Path) -> None:
     pytest.importorskip("onnx")
-    from edgeinfer.converters.native_pipeline import write_gguf_folder
+    from edgeinfer.converters.onnx.folder import write_gguf_folder
 
     folder = tmp_path / "native"
     folder.mkdir()

@@ -18,7 +18,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..errors import EdgeInferError
-from ..memory import peak_rss
+from ..rss import peak_rss
 from .peers import policy_llama
 from .workload import end_of_generation_ids, prompt_ids
 
