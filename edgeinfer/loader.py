@@ -13,6 +13,7 @@ import importlib.util
 import logging
 from os import PathLike
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from . import catalog
 from .config import LoadConfig
@@ -25,6 +26,9 @@ from .model_shape import shape_of
 from .model_source import ModelSource, resolve
 from .policy import normalise_device, plan_providers
 from .runtimes import open_backend
+
+if TYPE_CHECKING:
+    from .runtimes.base import Backend
 
 __all__ = ["ModelSource", "load", "resolve"]
 
@@ -72,13 +76,7 @@ def load(
     if runs_as_onnx(model, source, device):
         source = transcoded_catalog_model(source)
     config = _fitted(source, config, memory_budget)
-    plan = plan_providers(
-        devices(engines=(_ENGINES[source.format],)),
-        source.format,
-        device,
-        allow_fallback=allow_fallback,
-    )
-    backend, chain = open_backend(source, config, plan)
+    backend, chain = _open(source, config, allow_fallback)
     memory_plan = config.fit_context.plan
     logger.info("%s memory plan: %s", source.name, memory_plan.describe())
     return Model(
@@ -104,6 +102,17 @@ def _check_options(context_overflow: str, allow_fallback: bool) -> None:
         raise InvalidRequestError(
             f"allow_fallback={allow_fallback!r} is invalid: expected True or False"
         )
+
+
+def _open(
+    source: ModelSource, config: LoadConfig, allow_fallback: bool
+) -> tuple[Backend, list[dict[str, Any]]]:
+    """The backend for ``source`` on the first provider the device plan can open."""
+    engine = _ENGINES[source.format]
+    plan = plan_providers(
+        devices(engines=(engine,)), source.format, config.device, allow_fallback=allow_fallback
+    )
+    return open_backend(source, config, plan)
 
 
 def _fitted(source: ModelSource, config: LoadConfig, budget: int | str | None) -> LoadConfig:

@@ -78,45 +78,22 @@ class OrtBackend:
         self._n_ctx = config.context_for(arch.max_context)
         self._has_position_ids = any(i.name == "position_ids" for i in self._session.get_inputs())
         self._kv_type = np.float16 if arch.kv_dtype == "float16" else np.float32
-        self._past_names = [
-            f"past_key_values.{layer}.{kind}"
-            for layer in range(arch.num_layers)
-            for kind in ("key", "value")
-        ]
+        self._past_names = _past_names(arch.num_layers)
         self._present_names = [n.replace("past_key_values", "present") for n in self._past_names]
         self._check_graph()
         self._shared = arch.kv_cache == "shared"
-        if self._shared and self._n_ctx > arch.max_context:
-            raise ModelLoadError(
-                f"context {self._n_ctx} is longer than the {arch.max_context} tokens this graph "
-                "was built for; load it with a smaller context_length"
-            )
-        # graphs that return the last position only: every run's logits land in one buffer
-        logits_dims = {o.name: o.shape for o in self._session.get_outputs()}["logits"]
-        self._last_only = len(logits_dims) == 3 and logits_dims[1] == 1
+        if self._shared:
+            _check_shared_context(self._n_ctx, arch)
+        self._last_only = _returns_last_position_only(self._session)
         self._binding = self._session.io_binding()
         self._decode_logits = np.empty((1, 1, arch.vocab_size), dtype=np.float32)
         # shared cache and one logits buffer: everything but the ids and the mask is bound
         # once and stays bound (decoding then costs two bindings per token, not 2 + 2 * layers)
         self._static_bound = False
-        self._past: list[Any] = []
+        self._past: list[Any] = self._whole_context_cache() if self._shared else []
         self._n_past = 0
-        if self._shared:  # one buffer per cache tensor, the whole context, allocated once
-            whole = (1, arch.num_kv_heads, self._n_ctx, arch.head_dim)
-            self._past = [
-                ort.OrtValue.ortvalue_from_shape_and_type(whole, self._kv_type)
-                for _ in self._past_names
-            ]
         self.rewind(0)
-        self.tokenizer = JsonTokenizer(
-            _regular_file(folder, manifest.tokenizer_file, "tokenizer_file"),
-            eos_token_ids=manifest.eos_token_ids,
-            bos_token=manifest.bos_token,
-            eos_token=manifest.eos_token,
-            chat_template=_read_optional(folder, manifest.chat_template_file),
-            n_vocab=arch.vocab_size,
-        )
-        _check_tokenizer_size(self.tokenizer, folder / manifest.tokenizer_file, arch)
+        self.tokenizer = _open_tokenizer(folder, manifest)
         self._info = {
             "backend": "onnxruntime",
             "engine_version": ort.__version__,
@@ -126,6 +103,13 @@ class OrtBackend:
             "batch_size": self._chunk,
             "quantization": manifest.quantization.get("method", "unknown"),
         }
+
+    def _whole_context_cache(self) -> list[Any]:
+        """One buffer per cache tensor, the whole context, allocated once."""
+        arch = self._arch
+        whole = (1, arch.num_kv_heads, self._n_ctx, arch.head_dim)
+        make = self._ort.OrtValue.ortvalue_from_shape_and_type
+        return [make(whole, self._kv_type) for _ in self._past_names]
 
     def _open_session(self, path: Path, candidate: Candidate) -> Any:
         ort = self._ort
@@ -315,6 +299,42 @@ class OrtBackend:
         self._session = None
         self._binding = None
         self._past = []
+
+
+def _past_names(num_layers: int) -> list[str]:
+    return [
+        f"past_key_values.{layer}.{kind}"
+        for layer in range(num_layers)
+        for kind in ("key", "value")
+    ]
+
+
+def _check_shared_context(n_ctx: int, arch: Architecture) -> None:
+    if n_ctx > arch.max_context:
+        raise ModelLoadError(
+            f"context {n_ctx} is longer than the {arch.max_context} tokens this graph "
+            "was built for; load it with a smaller context_length"
+        )
+
+
+def _returns_last_position_only(session: Any) -> bool:
+    """Graphs that return the last position only: every run's logits land in one buffer."""
+    logits_dims = {o.name: o.shape for o in session.get_outputs()}["logits"]
+    return len(logits_dims) == 3 and logits_dims[1] == 1
+
+
+def _open_tokenizer(folder: Path, manifest: Manifest) -> JsonTokenizer:
+    arch = manifest.architecture
+    tokenizer = JsonTokenizer(
+        _regular_file(folder, manifest.tokenizer_file, "tokenizer_file"),
+        eos_token_ids=manifest.eos_token_ids,
+        bos_token=manifest.bos_token,
+        eos_token=manifest.eos_token,
+        chat_template=_read_optional(folder, manifest.chat_template_file),
+        n_vocab=arch.vocab_size,
+    )
+    _check_tokenizer_size(tokenizer, folder / manifest.tokenizer_file, arch)
+    return tokenizer
 
 
 def _model_path(folder: Path, manifest: Manifest) -> tuple[Path, GraphFacts]:
