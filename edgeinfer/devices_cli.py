@@ -11,17 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InvalidRequestError, MemoryBudgetError
-from .inventory import (
-    DeviceInventory,
-    MachineProbe,
-    RecordedProbe,
-    RecordingProbe,
-    build_inventory,
-    devices,
-)
+from .inventory import DeviceInventory, build_inventory, devices
 from .memory import FRESH_PROCESS_BYTES, MemoryPlan, plan_memory
 from .model_shape import shape_of
 from .policy import plan_providers
+from .probes import MachineProbe, RecordedProbe, RecordingProbe
 
 
 def add_parser(sub: Any) -> None:

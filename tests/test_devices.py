@@ -20,14 +20,9 @@ import pytest
 import edgeinfer
 from edgeinfer import cli
 from edgeinfer.errors import BackendUnavailableError, InvalidRequestError
-from edgeinfer.inventory import (
-    Accelerator,
-    DeviceInventory,
-    RecordedProbe,
-    build_inventory,
-    devices,
-)
+from edgeinfer.inventory import DeviceInventory, build_inventory, devices
 from edgeinfer.policy import plan_providers
+from edgeinfer.probes import Accelerator, RecordedProbe
 
 MACHINES = Path(__file__).parent / "data" / "machines"
 
@@ -438,7 +433,7 @@ def test_provider_names_in_any_case() -> None:
 def test_recording_this_machine_replays_to_the_same_inventory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from edgeinfer.inventory import MachineProbe, RecordingProbe
+    from edgeinfer.probes import MachineProbe, RecordingProbe
 
     recorder = RecordingProbe(MachineProbe())
     live = build_inventory(recorder)

@@ -15,7 +15,7 @@ from edgeinfer import cli
 from edgeinfer.config import LoadConfig
 from edgeinfer.errors import InvalidRequestError, MemoryBudgetError
 from edgeinfer.generation import KVHistory, run
-from edgeinfer.inventory import RecordedProbe, build_inventory
+from edgeinfer.inventory import build_inventory
 from edgeinfer.loader import resolve
 from edgeinfer.memory import (
     FRESH_PROCESS_BYTES,
@@ -25,6 +25,7 @@ from edgeinfer.memory import (
     plan_memory,
 )
 from edgeinfer.model_shape import shape_of
+from edgeinfer.probes import RecordedProbe
 from edgeinfer.rss import resident_with_mapped_files
 from edgeinfer.sampling import Sampler, SamplingConfig
 from tests.fakes import FakeBackend
