@@ -283,8 +283,29 @@ def plan_memory(
     if not engine_loaded:
         process += costs.import_bytes
     limit, source = _budget(budget, process, available)
+    fixed = _fixed_terms(shape, costs, limit, source, process, threads, loaded)
+    sizing = _Sizing(costs, shape, fixed)
+    return _fit(sizing, context_length, limit, batches)
+
+
+def _costs_for(shape: ModelShape) -> _EngineCosts:
+    """The measured costs of the engine and graph kind that will run ``shape``."""
+    costs = _COSTS["onnx-shared" if shape.kv_cache == "shared" else shape.format]
+    if shape.kv_cache == "shared" and shape.logits_all_positions:  # onnxruntime-genai's graphs
+        costs = dataclasses.replace(
+            costs, logits_per_batch_token=_COSTS["onnx"].logits_per_batch_token
+        )
+    return costs
+
+
+def _fixed_terms(
+    shape: ModelShape, costs: _EngineCosts, limit: int, source: str, process: int,
+    threads: int, loaded: int | None,
+) -> MemoryPlan:  # fmt: skip
+    """The terms that do not depend on the context or the batch: a plan with no context, no
+    compute and no headroom yet."""
     factor = costs.weight_factor.get(shape.quantization, costs.weight_factor["default"])
-    fixed = MemoryPlan(
+    return MemoryPlan(
         budget=limit,
         budget_source=source,
         process=process,
@@ -304,18 +325,6 @@ def plan_memory(
         threads=threads,
         loaded=loaded,
     )
-    sizing = _Sizing(costs, shape, fixed)
-    return _fit(sizing, context_length, limit, batches)
-
-
-def _costs_for(shape: ModelShape) -> _EngineCosts:
-    """The measured costs of the engine and graph kind that will run ``shape``."""
-    costs = _COSTS["onnx-shared" if shape.kv_cache == "shared" else shape.format]
-    if shape.kv_cache == "shared" and shape.logits_all_positions:  # onnxruntime-genai's graphs
-        costs = dataclasses.replace(
-            costs, logits_per_batch_token=_COSTS["onnx"].logits_per_batch_token
-        )
-    return costs
 
 
 @dataclass(frozen=True)

@@ -315,21 +315,7 @@ def _ggml_devices(llama_cpp: Any) -> list[Accelerator]:
     except OSError as exc:
         logger.debug("cannot read llama.cpp's device list: %s", exc)
         return []
-    ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
-    ggml.ggml_backend_dev_get.restype = ctypes.c_void_p
-    ggml.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-    for fn in ("ggml_backend_dev_name", "ggml_backend_dev_description", "ggml_backend_reg_name"):
-        getattr(base, fn).restype = ctypes.c_char_p
-        getattr(base, fn).argtypes = [ctypes.c_void_p]
-    base.ggml_backend_dev_type.restype = ctypes.c_int
-    base.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-    base.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
-    base.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
-    base.ggml_backend_dev_memory.argtypes = [
-        ctypes.c_void_p,
-        ctypes.POINTER(ctypes.c_size_t),
-        ctypes.POINTER(ctypes.c_size_t),
-    ]
+    _declare(ggml, base)
     found = []
     for i in range(int(ggml.ggml_backend_dev_count())):
         dev = ggml.ggml_backend_dev_get(i)
@@ -351,6 +337,25 @@ def _ggml_devices(llama_cpp: Any) -> list[Accelerator]:
             )
         )
     return found
+
+
+def _declare(ggml: ctypes.CDLL, base: ctypes.CDLL) -> None:
+    """The C signatures of the ggml backend-registry calls ``_ggml_devices`` makes."""
+    ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
+    ggml.ggml_backend_dev_get.restype = ctypes.c_void_p
+    ggml.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    for fn in ("ggml_backend_dev_name", "ggml_backend_dev_description", "ggml_backend_reg_name"):
+        getattr(base, fn).restype = ctypes.c_char_p
+        getattr(base, fn).argtypes = [ctypes.c_void_p]
+    base.ggml_backend_dev_type.restype = ctypes.c_int
+    base.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    base.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
+    base.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
+    base.ggml_backend_dev_memory.argtypes = [
+        ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_size_t),
+        ctypes.POINTER(ctypes.c_size_t),
+    ]
 
 
 def _load_first(folder: Path, names: tuple[str, ...]) -> ctypes.CDLL:
