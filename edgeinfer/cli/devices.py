@@ -7,15 +7,17 @@ import dataclasses
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import InvalidRequestError, MemoryBudgetError
-from .inventory import DeviceInventory, build_inventory, devices
-from .memory import FRESH_PROCESS_BYTES, MemoryPlan, plan_memory
-from .model_shape import shape_of
-from .policy import plan_providers
-from .probes import MachineProbe, RecordedProbe, RecordingProbe
+from ..errors import InvalidRequestError, MemoryBudgetError
+from ..inventory import DeviceInventory, build_inventory, devices
+from ..memory import FRESH_PROCESS_BYTES, MemoryPlan, plan_memory
+from ..model_shape import shape_of
+from ..policy import ProviderPlan, plan_providers
+from ..probes import MachineProbe, RecordedProbe, RecordingProbe
+from .common import MODEL_HELP
 
 
 def add_parser(sub: Any) -> None:
@@ -26,9 +28,7 @@ def add_parser(sub: Any) -> None:
         "GPUs and NPUs, onnxruntime's providers and llama.cpp's GPU offload. Given MODEL, also "
         "print the providers load() would try for it, in order, with the reason for each.",
     )
-    p.add_argument(
-        "model", metavar="MODEL", nargs="?", help="catalog name, .gguf file or model folder"
-    )
+    p.add_argument("model", metavar="MODEL", nargs="?", help=MODEL_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     p.add_argument(
         "--device", default="auto", help="the device preference to plan for (default: auto)"
@@ -56,53 +56,81 @@ def add_parser(sub: Any) -> None:
     )
 
 
+@dataclass(frozen=True)
+class _ModelPlan:
+    """What `devices MODEL` shows beside the machine: the providers and the memory plan."""
+
+    source_text: str  # "name (format)"
+    providers: ProviderPlan
+    memory: MemoryPlan | None
+    memory_error: str | None  # why there is no memory plan: the budget, or a failed load
+
+
 def cmd_devices(args: argparse.Namespace) -> int:
     if args.record:
-        recorder = RecordingProbe(MachineProbe())
-        build_inventory(recorder)
-        args.record.write_text(json.dumps(recorder.record, indent=1, ensure_ascii=False) + "\n")
-        print(args.record)
-        return 0
+        return _record(args.record)
     inventory = _recorded(args.inventory) if args.inventory else devices()
-    plan = None
-    source_text = ""
-    if args.model:
-        from .loader import resolve, runs_as_onnx
-
-        source = resolve(args.model)
-        model_format = source.format
-        if runs_as_onnx(args.model, source, args.device):
-            model_format = "onnx"  # load() runs it through its ONNX graph, built once
-        shown = source.format if model_format == source.format else "gguf, run as onnx"
-        source_text = f"{source.name} ({shown})"
-        plan = plan_providers(
-            inventory, model_format, args.device, allow_fallback=args.allow_fallback
-        )
-        memory, memory_error = _memory(source, inventory, args)
+    plan = _plan_for(args, inventory) if args.model else None
     if args.json:
-        out: dict[str, Any] = {"inventory": inventory.to_dict()}
-        if plan is not None:
-            out["model"] = args.model
-            out["plan"] = plan.to_dict()
-            out["memory_plan"] = memory.to_dict() if memory else None
-            if memory_error:
-                out["memory_error"] = memory_error
-        json.dump(out, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return 0
+        _print_json(args, inventory, plan)
+    else:
+        _print_text(args, inventory, plan)
+    return 0
+
+
+def _record(path: Path) -> int:
+    recorder = RecordingProbe(MachineProbe())
+    build_inventory(recorder)
+    path.write_text(json.dumps(recorder.record, indent=1, ensure_ascii=False) + "\n")
+    print(path)
+    return 0
+
+
+def _plan_for(args: argparse.Namespace, inventory: DeviceInventory) -> _ModelPlan:
+    from ..loader import resolve, runs_as_onnx
+
+    source = resolve(args.model)
+    model_format = source.format
+    if runs_as_onnx(args.model, source, args.device):
+        model_format = "onnx"  # load() runs it through its ONNX graph, built once
+    shown = source.format if model_format == source.format else "gguf, run as onnx"
+    providers = plan_providers(
+        inventory, model_format, args.device, allow_fallback=args.allow_fallback
+    )
+    memory, memory_error = _memory(source, inventory, args)
+    return _ModelPlan(f"{source.name} ({shown})", providers, memory, memory_error)
+
+
+def _print_json(
+    args: argparse.Namespace, inventory: DeviceInventory, plan: _ModelPlan | None
+) -> None:
+    out: dict[str, Any] = {"inventory": inventory.to_dict()}
+    if plan is not None:
+        out["model"] = args.model
+        out["plan"] = plan.providers.to_dict()
+        out["memory_plan"] = plan.memory.to_dict() if plan.memory else None
+        if plan.memory_error:
+            out["memory_error"] = plan.memory_error
+    json.dump(out, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def _print_text(
+    args: argparse.Namespace, inventory: DeviceInventory, plan: _ModelPlan | None
+) -> None:
     for label, value in _rows(inventory):
         print(f"{label:<12} {value}")
-    if plan is not None:
-        print(f"\nplan for {source_text}, device={args.device}:")
-        for line in plan.describe():
-            print(f"  {line}")
-        print("\nmemory plan:")
-        if memory is not None:
-            print(f"  context {memory.context_length} tokens, batch {memory.batch_size}")
-            print(f"  {memory.describe()}")
-        else:
-            print(f"  none: {memory_error}")  # the budget, or a load that failed
-    return 0
+    if plan is None:
+        return
+    print(f"\nplan for {plan.source_text}, device={args.device}:")
+    for line in plan.providers.describe():
+        print(f"  {line}")
+    print("\nmemory plan:")
+    if plan.memory is not None:
+        print(f"  context {plan.memory.context_length} tokens, batch {plan.memory.batch_size}")
+        print(f"  {plan.memory.describe()}")
+    else:
+        print(f"  none: {plan.memory_error}")  # the budget, or a load that failed
 
 
 _PROBE = """

@@ -9,13 +9,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..bench.records import BenchResultError
+from ..bench.report import BenchReport, plot_missing_message
+from ..bench.runner import DEFAULT_RUN_TIMEOUT_S, BenchSettings, ProgressLine, run_bench
 from ..bounded_json import read_json_file
 from ..errors import InvalidRequestError
-from .records import BenchResultError
-from .report import BenchReport, plot_missing_message
-from .runner import DEFAULT_RUN_TIMEOUT_S, BenchSettings, ProgressLine, run_bench
+from .common import EXIT_INTERRUPTED, MODEL_HELP
 
-EXIT_INTERRUPTED = 130
+_DESCRIPTION = (
+    "For each MODEL and each combination of prompt length and thread count: "
+    "prompt processing (pp) and token generation (tg) tokens/s, time to first token, the "
+    "peak resident memory of the process and the memory plan's total. Each run is a fresh "
+    "process; the workload is the same prompt token ids for every engine, greedy, with "
+    "the end-of-generation tokens banned so every run generates -n tokens. --compare runs "
+    "the same workload through the peers installed here (llama-cpp-python for a GGUF, "
+    "optimum for an ONNX folder with config.json, onnxruntime-genai for a folder its "
+    "builder made), interleaved round by round, with each row's ratio to edgeinfer."
+)
 MAX_SAVED_BYTES = 256 * 2**20  # a saved result: its runs' figures, no prompts
 
 
@@ -36,19 +46,18 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "bench",
         help="measure speed and memory of models on this machine, beside the peers",
-        description="For each MODEL and each combination of prompt length and thread count: "
-        "prompt processing (pp) and token generation (tg) tokens/s, time to first token, the "
-        "peak resident memory of the process and the memory plan's total. Each run is a fresh "
-        "process; the workload is the same prompt token ids for every engine, greedy, with "
-        "the end-of-generation tokens banned so every run generates -n tokens. --compare runs "
-        "the same workload through the peers installed here (llama-cpp-python for a GGUF, "
-        "optimum for an ONNX folder with config.json, onnxruntime-genai for a folder its "
-        "builder made), interleaved round by round, with each row's ratio to edgeinfer.",
+        description=_DESCRIPTION,
         epilog="Example: edgeinfer bench smollm2-135m-instruct -p 128,512 -n 128 -r 5 --compare",
     )
-    p.add_argument(
-        "models", nargs="*", metavar="MODEL", help="catalog name, .gguf file or model folder"
-    )
+    p.add_argument("models", nargs="*", metavar="MODEL", help=MODEL_HELP)
+    _add_workload_flags(p)
+    _add_engine_flags(p)
+    _add_peer_flags(p)
+    _add_output_flags(p)
+
+
+def _add_workload_flags(p: argparse.ArgumentParser) -> None:
+    """What every engine is asked to do, and how often."""
     p.add_argument(
         "-p",
         "--prompt-tokens",
@@ -85,6 +94,10 @@ def add_parser(sub: Any) -> None:
         metavar="N[,N...]",
         help="compute thread counts, the same for every engine (default: the physical cores)",
     )
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """How edgeinfer loads the model (the peers follow what it chose)."""
     p.add_argument(
         "--device",
         default="auto",
@@ -104,6 +117,10 @@ def add_parser(sub: Any) -> None:
         help="context for every engine (default: the longest prompt plus -n, rounded up to "
         "256, at least 1024)",
     )
+
+
+def _add_peer_flags(p: argparse.ArgumentParser) -> None:
+    """Which peers run beside edgeinfer, and how long one run may take."""
     p.add_argument(
         "--compare",
         action="store_true",
@@ -128,6 +145,10 @@ def add_parser(sub: Any) -> None:
         "stopped, with what it started, and left out with a note (default: "
         f"{DEFAULT_RUN_TIMEOUT_S:g})",
     )
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    """Where the figures come from and how they are shown."""
     p.add_argument(
         "--from",
         dest="saved",

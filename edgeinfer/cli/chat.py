@@ -13,9 +13,38 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .cli import format_stats, load_model, prepare_chat, sampling_kwargs
+from .. import catalog
+from .common import (
+    MODEL_HELP,
+    add_chat_template_flag,
+    add_model_flags,
+    add_sampling_flags,
+    format_stats,
+    load_model,
+    prepare_chat,
+    sampling_kwargs,
+)
 
 HELP = "commands: /reset (new conversation), /stats (last reply's figures), /exit"
+
+
+def add_parser(sub: Any) -> None:
+    chat = sub.add_parser(
+        "chat",
+        help="talk with a model in the terminal",
+        description="Interactive chat. /reset, /stats, /exit; Ctrl-C stops a reply, Ctrl-D quits.",
+    )
+    chat.add_argument(
+        "model",
+        metavar="MODEL",
+        nargs="?",
+        default=catalog.DEFAULT_MODEL,
+        help=f"{MODEL_HELP} (default: {catalog.DEFAULT_MODEL})",
+    )
+    chat.add_argument("--system", metavar="TEXT", help="system message for the conversation")
+    add_chat_template_flag(chat)
+    add_sampling_flags(chat)
+    add_model_flags(chat)
 
 
 class ChatSession:

@@ -13,14 +13,16 @@ import threading
 from typing import Any
 
 from ..errors import BackendUnavailableError, InvalidRequestError
-from .guard import allowed_hosts, check_api_key
+from ..serve.config import ServerConfig
+from ..serve.guard import allowed_hosts, check_api_key
+from .common import add_model_flags, load_model
 
 __all__ = ["add_parser", "cmd_serve"]
 
 logger = logging.getLogger("edgeinfer.serve")
 
 
-def add_parser(sub: Any, add_model_flags: Any) -> None:
+def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "serve",
         help="serve a model over OpenAI's HTTP API (chat and completions, streamed or not)",
@@ -116,7 +118,7 @@ def _family(host: str) -> socket.AddressFamily:
         return socket.AF_INET
 
 
-def cmd_serve(args: argparse.Namespace, load_model: Any) -> int:
+def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
     except ImportError as exc:
@@ -124,30 +126,14 @@ def cmd_serve(args: argparse.Namespace, load_model: Any) -> int:
             "edgeinfer serve needs the server extra: pip install 'edgeinfer[serve]'"
         ) from exc
     from .. import catalog
-    from .app import create_app
-    from .config import ServerConfig
+    from ..serve.app import create_app
 
     check_settings(args)
     args.model = args.model or catalog.DEFAULT_MODEL
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    access = logging.getLogger("edgeinfer.serve.access")
-    access.addHandler(handler)
-    access.setLevel(logging.INFO)
-    access.propagate = False
+    _log_access_to_stderr()
     with load_model(args) as model:
         name = args.model if isinstance(args.model, str) else str(args.model)
-        config = ServerConfig(
-            name=name,
-            api_key=args.api_key,
-            max_queue=args.max_queue,
-            max_body_bytes=args.max_body_kb * 1024,
-            cors_origin=args.cors_origin,
-            log_json=args.log_json,
-            host=args.host,
-            allow_hosts=tuple(args.allow_host),
-        )
-        app = create_app(model, config)
+        app = create_app(model, _config(args, name))
         print(
             f"edgeinfer: serving {name} at http://{args.host}:{args.port}/v1 "
             f"({model.info.get('provider')}, context {model.context_length})",
@@ -160,6 +146,29 @@ def cmd_serve(args: argparse.Namespace, load_model: Any) -> int:
             os._exit(1)
     _ignore_stop_signals()  # the process is on its way out: a late signal must not kill it
     return 0
+
+
+def _log_access_to_stderr() -> None:
+    """The access log, one bare line per request, on stderr and nowhere else."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access = logging.getLogger("edgeinfer.serve.access")
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False
+
+
+def _config(args: argparse.Namespace, name: str) -> ServerConfig:
+    return ServerConfig(
+        name=name,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_kb * 1024,
+        cors_origin=args.cors_origin,
+        log_json=args.log_json,
+        host=args.host,
+        allow_hosts=tuple(args.allow_host),
+    )
 
 
 def _ignore_stop_signals() -> None:

@@ -1,0 +1,204 @@
+"""What the commands share: the model, sampling and chat-template flags, loading the model the
+flags name, the figures line, and how logs and errors reach the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import EdgeInferError, InvalidRequestError
+
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+_MAX_SCHEMA_BYTES = 1 << 20  # a --json-schema file; the structured-output bounds apply after
+MODEL_HELP = "catalog name, .gguf file or model folder"
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument(
+        "--device",
+        default="auto",
+        help="auto | cpu | cuda | metal | npu | gpu | directml | an ONNX Runtime provider "
+        "name (default: auto; 'edgeinfer devices MODEL' shows the plan)",
+    )
+    g.add_argument(
+        "--allow-fallback",
+        action="store_true",
+        help="run on the CPU when --device is not available instead of failing",
+    )
+    g.add_argument(
+        "--context-length",
+        type=int,
+        metavar="N",
+        help="tokens the KV cache holds (default: the largest that fits the memory budget, "
+        "at most the model's trained context)",
+    )
+    g.add_argument("--threads", type=int, metavar="N", help="compute threads (default: cores)")
+    g.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        help="most memory the process may use, e.g. 512MB or 1.5GiB (default: what it uses "
+        "now plus half of the available RAM); the context is sized to fit",
+    )
+    g.add_argument(
+        "--context-overflow",
+        choices=("stop", "slide"),
+        default="stop",
+        help="when a reply fills the context: stop (default) or slide (keep the system "
+        "prompt and the newer half of the conversation)",
+    )
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument(
+        "-n",
+        "--max-new-tokens",
+        type=int,
+        metavar="N",
+        help="most tokens to generate (default: 256)",
+    )
+    g.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default: 0.8)")
+    g.add_argument("--top-k", type=int, metavar="K", help="0 = off (default: 40)")
+    g.add_argument("--top-p", type=float, metavar="P", help="1 = off (default: 0.95)")
+    g.add_argument("--min-p", type=float, metavar="P", help="0 = off (default: 0)")
+    g.add_argument("--repetition-penalty", type=float, metavar="R", help="1 = off (default: 1)")
+    g.add_argument("--seed", type=int, metavar="S", help="same seed, same output")
+    g.add_argument(
+        "--stop", action="append", metavar="TEXT", help="stop before this text (repeatable)"
+    )
+    _add_structured_flags(p)
+
+
+def _add_structured_flags(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("structured output (needs edgeinfer[structured])")
+    x = s.add_mutually_exclusive_group()
+    x.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="answer with JSON that validates against the JSON schema in FILE",
+    )
+    x.add_argument("--regex", metavar="PATTERN", help="answer with text matching PATTERN")
+    x.add_argument("--choice", metavar="A,B,C", help="answer with exactly one of these")
+
+
+def add_chat_template_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--chat-template",
+        metavar="NAME|FILE",
+        help="chat format for a model that has none: chatml, llama3, gemma, or a Jinja file "
+        "(default: the model's own)",
+    )
+
+
+def prepare_chat(model: Any, args: argparse.Namespace) -> None:
+    """Set --chat-template, or refuse a model without a template before anything is asked."""
+    from ..chat import BUILTIN_TEMPLATES, resolve_chat_template
+
+    if args.chat_template:
+        model.use_chat_template(resolve_chat_template(args.chat_template))
+    elif model.chat_template is None:
+        raise InvalidRequestError(
+            f"{args.model} has no chat template; pass --chat-template with one of "
+            f"{', '.join(BUILTIN_TEMPLATES)} or a Jinja file, or complete plain text with "
+            f"'edgeinfer run {args.model} -p TEXT'"
+        )
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    names = (
+        "max_new_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "seed",
+        "stop",
+    )
+    kwargs = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    response_format = _response_format(args)
+    if response_format is not None:
+        kwargs["response_format"] = response_format
+    return kwargs
+
+
+def _response_format(args: argparse.Namespace) -> dict[str, Any] | None:
+    if getattr(args, "json_schema", None):
+        from ..bounded_json import read_json_file
+
+        path = Path(args.json_schema)
+        schema = read_json_file(path, max_bytes=_MAX_SCHEMA_BYTES, error=InvalidRequestError)
+        return {"type": "json_schema", "json_schema": {"name": path.stem, "schema": schema}}
+    if getattr(args, "regex", None):
+        return {"type": "regex", "pattern": args.regex}
+    if getattr(args, "choice", None):
+        choices = [c for c in args.choice.split(",") if c]
+        return {"type": "choice", "choices": choices}
+    return None
+
+
+def load_model(args: argparse.Namespace) -> Any:
+    """The model the model flags (add_model_flags) name."""
+    from ..loader import load
+
+    return load(
+        args.model,
+        device=args.device,
+        allow_fallback=args.allow_fallback,
+        memory_budget=args.memory_budget,
+        context_overflow=args.context_overflow,
+        context_length=args.context_length,
+        threads=args.threads,
+    )
+
+
+def format_stats(stats: Any, finish_reason: str) -> str:
+    return (
+        f"prompt {stats.prompt_tokens} tok (reused {stats.reused_prompt_tokens}), "
+        f"completion {stats.completion_tokens} tok, ttft {stats.ttft_s * 1000:.0f} ms, "
+        f"prefill {stats.prefill_tokens_per_s:.0f} tok/s, "
+        f"decode {stats.decode_tokens_per_s:.1f} tok/s, finish {finish_reason}"
+    )
+
+
+class _Speaker(logging.Formatter):
+    """Each line says who said it: the engines' own log lines are not edgeinfer's."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        who = "llama.cpp" if record.name.endswith("llama_cpp.engine") else "edgeinfer"
+        return f"{who}: {record.getMessage()}"
+
+
+def configure_logging(args: argparse.Namespace) -> None:
+    level = logging.DEBUG if args.debug else logging.INFO if args.verbose else logging.WARNING
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Speaker())
+    logging.basicConfig(level=level, handlers=[handler])
+    if not args.debug:  # the engine's own log is only for --debug
+        logging.getLogger("edgeinfer.runtimes.llama_cpp.engine").setLevel(logging.WARNING)
+
+
+def run_command(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a command: every EdgeInferError becomes one line on stderr and exit status 1
+    (a traceback with --debug), Ctrl-C exit status 130."""
+    try:
+        return command(args)
+    except EdgeInferError as exc:
+        if args.debug:
+            raise
+        print(f"edgeinfer: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # stdout closed early (| head): not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the exit-time flush does not fail again
+        return 0

@@ -1,0 +1,43 @@
+"""The ``edgeinfer`` parser and dispatch: each command's flags and work live in its own
+module; this one only puts them together."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+from .. import __version__
+from . import bench, chat, convert, devices, models, run, serve
+from .common import configure_logging, run_command
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": run.cmd_run,
+    "chat": chat.cmd_chat,
+    "models": models.cmd_models,
+    "convert": convert.cmd_convert,
+    "devices": devices.cmd_devices,
+    "bench": bench.cmd_bench,
+    "serve": serve.cmd_serve,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="edgeinfer",
+        description="Run language models on this machine, offline.",
+        epilog="Models live in $EDGEINFER_HOME (default ~/.cache/edgeinfer).",
+    )
+    parser.add_argument("--version", action="version", version=f"edgeinfer {__version__}")
+    parser.add_argument("--debug", action="store_true", help="log everything, tracebacks")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what edgeinfer does")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # the order of `edgeinfer --help`
+    for command in (run, chat, convert, devices, bench, serve, models):
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args)
+    return run_command(COMMANDS[args.command], args)

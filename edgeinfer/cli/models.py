@@ -1,0 +1,49 @@
+"""``edgeinfer models list|fetch|path``: the catalog, and which of its models are here."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .. import catalog
+from ..errors import InvalidRequestError
+
+
+def add_parser(sub: Any) -> None:
+    models = sub.add_parser("models", help="list, fetch or locate catalog models")
+    msub = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
+    msub.add_parser("list", help="catalog entries and which are present")
+    fetch = msub.add_parser("fetch", help="download a catalog model into $EDGEINFER_HOME")
+    fetch.add_argument("name", metavar="NAME")
+    fetch.add_argument("--force", action="store_true", help="fetch again even if present")
+    path = msub.add_parser("path", help="print the local path of a catalog model")
+    path.add_argument("name", metavar="NAME")
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    if args.models_command == "list":
+        _print_list()
+        return 0
+    entry = catalog.lookup(args.name)
+    if entry is None:
+        raise InvalidRequestError(
+            f"{args.name!r} is not in the catalog; see 'edgeinfer models list'"
+        )
+    if args.models_command == "fetch":
+        print(catalog.fetch(args.name, force=args.force))
+        return 0
+    if not catalog.is_present(entry):
+        raise InvalidRequestError(
+            f"{args.name} is not fetched yet; run 'edgeinfer models fetch {args.name}'"
+        )
+    print(catalog.local_path(entry))
+    return 0
+
+
+def _print_list() -> None:
+    print(f"{'NAME':<28} {'KIND':<5} {'SIZE':>7}  {'STATUS':<11}  DESCRIPTION")
+    for listed in catalog.CATALOG.values():
+        present = "present" if catalog.is_present(listed) else "not fetched"
+        size = f"{listed.size / 1e6:.0f} MB" if listed.size else ""
+        row = f"{listed.name:<28} {listed.format:<5} {size:>7}  {present:<11}"
+        print(f"{row}  {listed.description}")
