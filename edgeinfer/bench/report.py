@@ -121,35 +121,6 @@ class BenchReport:
     # -- JSON -------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        rows = []
-        for r in self.measured():
-            plan = r.last("plan_total_bytes")
-            rows.append(
-                {
-                    "model": r.model,
-                    "model_path": r.model_path,
-                    "engine": r.engine,
-                    "engine_model": r.engine_model,
-                    "provider": r.last("provider"),
-                    "device": r.last("device"),
-                    "threads": r.threads,
-                    "prompt_tokens": r.prompt_tokens,
-                    "new_tokens": r.new_tokens,
-                    "context_length": r.last("context_length"),
-                    "repetitions": len(r.runs),
-                    "tokens_generated_min": min(int(x["tokens"]) for x in r.runs),
-                    **{name: r.figure(name) for name in FIGURES},
-                    "plan_total_mb": plan / MB if plan else None,
-                    "ratio_to_edgeinfer": {
-                        "pp_tok_s": self.ratio(r, "pp_tok_s"),
-                        "tg_tok_s": self.ratio(r, "tg_tok_s"),
-                    },
-                    "runs": [
-                        {k: v for k, v in x.items() if k not in ("prompt_ids", "ban_ids")}
-                        for x in r.runs
-                    ],
-                }
-            )
         return {
             "schema": SCHEMA,
             "created": self.created,
@@ -160,7 +131,33 @@ class BenchReport:
             "interrupted": self.interrupted,
             "notes": self.notes,
             "errors": self.errors,
-            "results": rows,
+            "results": [self._row_dict(r) for r in self.measured()],
+        }
+
+    def _row_dict(self, r: Row) -> dict[str, Any]:
+        plan = r.last("plan_total_bytes")
+        return {
+            "model": r.model,
+            "model_path": r.model_path,
+            "engine": r.engine,
+            "engine_model": r.engine_model,
+            "provider": r.last("provider"),
+            "device": r.last("device"),
+            "threads": r.threads,
+            "prompt_tokens": r.prompt_tokens,
+            "new_tokens": r.new_tokens,
+            "context_length": r.last("context_length"),
+            "repetitions": len(r.runs),
+            "tokens_generated_min": min(int(x["tokens"]) for x in r.runs),
+            **{name: r.figure(name) for name in FIGURES},
+            "plan_total_mb": plan / MB if plan else None,
+            "ratio_to_edgeinfer": {
+                "pp_tok_s": self.ratio(r, "pp_tok_s"),
+                "tg_tok_s": self.ratio(r, "tg_tok_s"),
+            },
+            "runs": [
+                {k: v for k, v in x.items() if k not in ("prompt_ids", "ban_ids")} for x in r.runs
+            ],
         }
 
     @classmethod
@@ -191,75 +188,33 @@ class BenchReport:
     # -- tables -----------------------------------------------------------------------------
 
     def table(self, markdown: bool = False) -> str:
-        header = [
-            "model",
-            "engine",
-            "provider",
-            "threads",
-            "test",
-            "pp t/s",
-            "tg t/s",
-            "TTFT ms",
-            "peak RSS MB",
-            "plan MB",
-            "tg vs edgeinfer",
-        ]
-        body = []
-        for r in self.measured():
-            plan = r.last("plan_total_bytes")
-            ratio = self.ratio(r, "tg_tok_s")
-            test = f"pp{r.prompt_tokens}+tg{r.new_tokens}"
-            short = int(min(x["tokens"] for x in r.runs))
-            if short < r.new_tokens:
-                test += f" ({short} generated)"
-            body.append(
-                [
-                    r.model,
-                    r.engine,
-                    str(r.last("provider") or ""),
-                    str(r.threads),
-                    test,
-                    _pm(r.figure("pp_tok_s"), 1),
-                    _pm(r.figure("tg_tok_s"), 2),
-                    _pm(r.figure("ttft_ms"), 1),
-                    f"{r.figure('peak_rss_mb')['max']:.1f}",
-                    f"{plan / MB:.1f}" if plan else "-",
-                    f"{ratio:.2f}" if ratio is not None else "-",
-                ]
-            )
+        body = [self._cells(r) for r in self.measured()]
         if not body:
             return "(nothing measured)\n"
-        right = {3, 5, 6, 7, 8, 9, 10}
-        widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
-        if markdown:
-            lines = [
-                "| " + " | ".join(header) + " |",
-                "| "
-                + " | ".join("---:" if i in right else "---" for i in range(len(header)))
-                + " |",
-            ]
-            lines += ["| " + " | ".join(b) + " |" for b in body]
-        else:
-
-            def fmt(cells: list[str]) -> str:
-                return (
-                    "| "
-                    + " | ".join(
-                        c.rjust(w) if i in right else c.ljust(w)
-                        for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-                    )
-                    + " |"
-                )
-
-            rule = (
-                "| "
-                + " | ".join(
-                    ("-" * (w - 1) + ":") if i in right else "-" * w for i, w in enumerate(widths)
-                )
-                + " |"
-            )
-            lines = [fmt(header), rule, *(fmt(b) for b in body)]
+        lines = _markdown(_HEADER, body) if markdown else _boxed(_HEADER, body)
         return "\n".join(lines) + "\n"
+
+    def _cells(self, r: Row) -> list[str]:
+        """One row of the table, in the order of _HEADER."""
+        plan = r.last("plan_total_bytes")
+        ratio = self.ratio(r, "tg_tok_s")
+        test = f"pp{r.prompt_tokens}+tg{r.new_tokens}"
+        short = int(min(x["tokens"] for x in r.runs))
+        if short < r.new_tokens:
+            test += f" ({short} generated)"
+        return [
+            r.model,
+            r.engine,
+            str(r.last("provider") or ""),
+            str(r.threads),
+            test,
+            _pm(r.figure("pp_tok_s"), 1),
+            _pm(r.figure("tg_tok_s"), 2),
+            _pm(r.figure("ttft_ms"), 1),
+            f"{r.figure('peak_rss_mb')['max']:.1f}",
+            f"{plan / MB:.1f}" if plan else "-",
+            f"{ratio:.2f}" if ratio is not None else "-",
+        ]
 
     def caption(self) -> str:
         s = self.settings
@@ -290,65 +245,104 @@ class BenchReport:
 
     def plot(self, path: Path) -> None:
         """Bars of decode tok/s (± stddev) and peak RSS per configuration, as an image."""
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError as exc:
-            raise InvalidRequestError(plot_missing_message()) from exc
+        plt = _pyplot()
         rows = self.measured()
         if not rows:
             return
-        engines = list(dict.fromkeys(r.engine for r in rows))
-        palette = ["#3b7dd8", "#d8873b", "#4aa35a", "#a34a9b", "#7f7f7f"]
-        colors = [palette[engines.index(r.engine) % len(palette)] for r in rows]
-        labels = [f"{r.model[:28]} pp{r.prompt_tokens} t{r.threads}" for r in rows]
-        tg = [r.figure("tg_tok_s") for r in rows]
-        rss = [r.figure("peak_rss_mb")["max"] for r in rows]
-        plans = [(r.last("plan_total_bytes") or 0) / MB for r in rows]
-        width = max(6.0, min(0.45 * len(rows) + 2.0, 20.0))
-        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(width, 9.0), sharex=True)
-        xs = list(range(len(rows)))
-        ax1.bar(
-            xs, [t["mean"] for t in tg], yerr=[t["stddev"] for t in tg], capsize=2, color=colors
-        )
-        ax1.set_ylabel("decode tokens/s (mean ± stddev)")
-        ax1.set_title(f"edgeinfer bench: {self.settings['new_tokens']} generated tokens")
-        ax1.legend(
-            handles=[
-                plt.Rectangle((0, 0), 1, 1, color=palette[i % len(palette)])
-                for i in range(len(engines))
-            ],
-            labels=engines,
-            loc="best",
-            fontsize="small",
-        )
-        ax2.bar(xs, rss, color=colors)
-        if any(plans):
-            ax2.scatter(
-                xs,
-                [p or math.nan for p in plans],
-                color="black",
-                marker="_",
-                s=200,
-                label="edgeinfer's memory plan",
-            )
-            ax2.legend(loc="best", fontsize="small")
-        ax2.set_ylabel("peak RSS, MB")
-        ax2.set_xticks(xs)
-        ax2.set_xticklabels(labels, rotation=60, ha="right", fontsize="small")
-        fig.tight_layout()
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-        os.close(fd)
+        fig = _figure(plt, rows, self.settings["new_tokens"])
         try:
-            fig.savefig(tmp, dpi=110)
-            os.replace(tmp, path)
+            _save(fig, Path(path))
         finally:
             plt.close(fig)
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+
+
+_HEADER = ["model", "engine", "provider", "threads", "test", "pp t/s", "tg t/s", "TTFT ms",
+           "peak RSS MB", "plan MB", "tg vs edgeinfer"]  # fmt: skip
+_RIGHT = {3, 5, 6, 7, 8, 9, 10}  # the columns of numbers, right-aligned
+_PALETTE = ["#3b7dd8", "#d8873b", "#4aa35a", "#a34a9b", "#7f7f7f"]  # one colour per engine
+
+
+def _markdown(header: list[str], body: list[list[str]]) -> list[str]:
+    rule = " | ".join("---:" if i in _RIGHT else "---" for i in range(len(header)))
+    return [f"| {' | '.join(header)} |", f"| {rule} |", *(f"| {' | '.join(b)} |" for b in body)]
+
+
+def _boxed(header: list[str], body: list[list[str]]) -> list[str]:
+    """The terminal table: columns padded to their widest cell."""
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
+
+    def fmt(cells: list[str]) -> str:
+        padded = (
+            c.rjust(w) if i in _RIGHT else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+        return f"| {' | '.join(padded)} |"
+
+    rule = " | ".join(
+        ("-" * (w - 1) + ":") if i in _RIGHT else "-" * w for i, w in enumerate(widths)
+    )
+    return [fmt(header), f"| {rule} |", *(fmt(b) for b in body)]
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise InvalidRequestError(plot_missing_message()) from exc
+    return plt
+
+
+def _figure(plt: Any, rows: list[Row], new_tokens: int) -> Any:
+    """Decode tok/s above, peak RSS (and edgeinfer's plan) below, one bar per row."""
+    engines = list(dict.fromkeys(r.engine for r in rows))
+    colors = [_PALETTE[engines.index(r.engine) % len(_PALETTE)] for r in rows]
+    width = max(6.0, min(0.45 * len(rows) + 2.0, 20.0))
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(width, 9.0), sharex=True)
+    xs = list(range(len(rows)))
+    tg = [r.figure("tg_tok_s") for r in rows]
+    ax1.bar(xs, [t["mean"] for t in tg], yerr=[t["stddev"] for t in tg], capsize=2, color=colors)
+    ax1.set_ylabel("decode tokens/s (mean ± stddev)")
+    ax1.set_title(f"edgeinfer bench: {new_tokens} generated tokens")
+    ax1.legend(
+        handles=[
+            plt.Rectangle((0, 0), 1, 1, color=_PALETTE[i % len(_PALETTE)])
+            for i in range(len(engines))
+        ],
+        labels=engines,
+        loc="best",
+        fontsize="small",
+    )
+    _memory_bars(ax2, xs, rows, colors)
+    fig.tight_layout()
+    return fig
+
+
+def _memory_bars(ax: Any, xs: list[int], rows: list[Row], colors: list[str]) -> None:
+    ax.bar(xs, [r.figure("peak_rss_mb")["max"] for r in rows], color=colors)
+    plans = [(r.last("plan_total_bytes") or 0) / MB for r in rows]
+    if any(plans):
+        ax.scatter(xs, [p or math.nan for p in plans], color="black", marker="_", s=200,
+                   label="edgeinfer's memory plan")  # fmt: skip
+        ax.legend(loc="best", fontsize="small")
+    ax.set_ylabel("peak RSS, MB")
+    ax.set_xticks(xs)
+    labels = [f"{r.model[:28]} pp{r.prompt_tokens} t{r.threads}" for r in rows]
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize="small")
+
+
+def _save(fig: Any, path: Path) -> None:
+    """Write the image whole or not at all: a temp file beside it, then a rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def plot_missing_message() -> str:

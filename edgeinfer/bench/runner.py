@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from itertools import product
 from typing import Any, TextIO
@@ -99,44 +99,53 @@ class BenchSettings:
         _positive("-r/--repetitions", self.repetitions)
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise InvalidRequestError(f"--warmup {self.warmup!r} is invalid: expected 0 or more")
-        threads = self.threads or (LoadConfig().resolved_threads,)
-        _positive_list("--threads", threads)
-        if max(threads) > MAX_THREADS:
-            raise InvalidRequestError(f"--threads {max(threads)} is invalid: at most {MAX_THREADS}")
+        threads = _threads(self.threads)
+        context = self._context_length()
+        if self.peer_models and not self.compare:
+            raise InvalidRequestError("--peer-model names a peer's model: add --compare")
+        return replace(
+            self,
+            models=tuple(self.models),
+            prompt_tokens=tuple(self.prompt_tokens),
+            threads=threads,
+            context_length=context,
+            peer_models=tuple(self.peer_models),
+            timeout_s=_timeout(self.timeout_s),
+        )
+
+    def _context_length(self) -> int:
+        """The context asked for, or room for the longest prompt and the reply."""
         need = max(self.prompt_tokens) + self.new_tokens
         context = self.context_length
         if context is None:
-            context = max(1024, math.ceil(need / 256) * 256)
-        elif isinstance(context, bool) or not isinstance(context, int) or context < need:
+            return max(1024, math.ceil(need / 256) * 256)
+        if isinstance(context, bool) or not isinstance(context, int) or context < need:
             raise InvalidRequestError(
                 f"--context-length {context!r} is too small: the longest prompt and the reply "
                 f"need {need} tokens"
             )
-        if self.peer_models and not self.compare:
-            raise InvalidRequestError("--peer-model names a peer's model: add --compare")
-        timeout = self.timeout_s
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not (0 < timeout < math.inf)
-        ):
-            raise InvalidRequestError(
-                f"--timeout {timeout!r} is invalid: expected a number of seconds > 0"
-            )
-        return BenchSettings(
-            models=tuple(self.models),
-            prompt_tokens=tuple(self.prompt_tokens),
-            new_tokens=self.new_tokens,
-            repetitions=self.repetitions,
-            warmup=self.warmup,
-            threads=tuple(threads),
-            device=self.device,
-            memory_budget=self.memory_budget,
-            context_length=context,
-            compare=self.compare,
-            peer_models=tuple(self.peer_models),
-            timeout_s=float(timeout),
+        return context
+
+
+def _threads(threads: tuple[int, ...]) -> tuple[int, ...]:
+    """The thread counts asked for, or the physical cores (as load() uses)."""
+    threads = threads or (LoadConfig().resolved_threads,)
+    _positive_list("--threads", threads)
+    if max(threads) > MAX_THREADS:
+        raise InvalidRequestError(f"--threads {max(threads)} is invalid: at most {MAX_THREADS}")
+    return tuple(threads)
+
+
+def _timeout(timeout: object) -> float:
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not (0 < timeout < math.inf)
+    ):
+        raise InvalidRequestError(
+            f"--timeout {timeout!r} is invalid: expected a number of seconds > 0"
         )
+    return float(timeout)
 
 
 def _positive(name: str, value: object) -> None:
@@ -270,6 +279,36 @@ def _result(engine: Any, returncode: int, out: bytes, err: Any) -> dict[str, Any
     raise RunFailed("crash", f"the process {how} without a result{': ' + tail if tail else ''}")
 
 
+@dataclass(frozen=True)
+class _Bench:
+    """What every run of one benchmark shares; the report fills as runs finish."""
+
+    settings: BenchSettings  # checked: defaults filled in
+    progress: ProgressLine
+    runner: Runner
+    report: BenchReport
+    rounds: int  # warm-up and measured rounds of each configuration
+
+    @property
+    def per_model(self) -> int:
+        return len(self.settings.threads) * len(self.settings.prompt_tokens) * self.rounds
+
+    @property
+    def total(self) -> int:
+        return len(self.settings.models) * self.per_model
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One round of one configuration; edgeinfer runs it first, then each peer."""
+
+    source: Any  # the model, resolved (name, path, format)
+    threads: int
+    prompt_tokens: int
+    round: int  # from 0; the warm-up rounds come first
+    step: int  # from 1, over the whole benchmark
+
+
 def run_bench(
     settings: BenchSettings,
     *,
@@ -281,89 +320,14 @@ def run_bench(
     """Measure every model in ``settings``; returns the report, partial when interrupted
     (``report.interrupted``) or when edgeinfer itself failed (``report.errors``)."""
     from ..inventory import devices
-    from ..loader import resolve
 
     s = settings.checked()
     progress = progress or ProgressLine()
-    settings_record = asdict(s)
-    settings_record["models"] = list(s.models)
-    report = BenchReport(
-        settings=settings_record,
-        machine=machine if machine is not None else devices().to_dict(),
-        versions=versions(),
-        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command=command or [],
-    )
-    rounds = s.warmup + s.repetitions
-    total = len(s.models) * len(s.threads) * len(s.prompt_tokens) * rounds
-    step = 0
+    report = _new_report(s, machine if machine is not None else devices().to_dict(), command)
+    bench = _Bench(s, progress, runner, report, rounds=s.warmup + s.repetitions)
     try:
-        for model in s.models:
-            source = resolve(model)  # a name or path that is no model fails here, in one line
-            peers: list[Peer] = []
-            if s.compare:
-                peers, skipped = peers_for(source.path, source.format, s.peer_models)
-                for line in skipped:
-                    progress.say(line)
-                    report.notes.append(line)
-            failed: set[Peer] = set()
-            for threads, n_prompt, rep in product(s.threads, s.prompt_tokens, range(rounds)):
-                step += 1
-                measured = rep >= s.warmup
-                label = (
-                    f"run {rep - s.warmup + 1}/{s.repetitions}"
-                    if measured
-                    else f"warm-up {rep + 1}/{s.warmup}"
-                )
-                where = (
-                    f"bench [{step}/{total}] {source.name} pp{n_prompt}+tg{s.new_tokens} t{threads}"
-                )
-                base = {
-                    "prompt_tokens": n_prompt,
-                    "new_tokens": s.new_tokens,
-                    "threads": threads,
-                    "context_length": s.context_length,
-                    "device": s.device,
-                    "memory_budget": s.memory_budget,
-                    "timeout_s": s.timeout_s,
-                }
-
-                progress.show(f"{where} edgeinfer {label}")
-                try:
-                    ours = runner({**base, "engine": "edgeinfer", "model": str(source.path)})
-                except RunFailed as exc:
-                    cls = _ERRORS.get(exc.kind, BackendUnavailableError)
-                    raise cls(f"{source.name}: {exc}") from None
-                if measured:
-                    report.row(source.name, str(source.path), "edgeinfer", str(source.path),
-                               threads, n_prompt, s.new_tokens).runs.append(ours)  # fmt: skip
-                # peers run what edgeinfer ran: its prompt ids, banned ids, device, context
-                handed = {
-                    key: ours.get(key)
-                    for key in (
-                        "prompt_ids", "ban_ids", "device", "provider", "n_gpu_layers",
-                        "context_length",
-                    )
-                }  # fmt: skip
-                for peer in peers:
-                    if peer in failed:
-                        continue
-                    progress.show(f"{where} {peer.engine} {label}")
-                    try:
-                        theirs = runner(
-                            {**base, **handed, "engine": peer.engine, "model": str(peer.path)}
-                        )
-                    except RunFailed as exc:
-                        failed.add(peer)
-                        line = one_line(
-                            f"{peer.engine} failed on {peer.path.name}, left out: {exc}", 2000
-                        )
-                        progress.say(line)
-                        report.notes.append(line)
-                        continue
-                    if measured:
-                        report.row(source.name, str(source.path), peer.engine, str(peer.path),
-                                   threads, n_prompt, s.new_tokens).runs.append(theirs)  # fmt: skip
+        for index, model in enumerate(s.models):
+            _bench_model(bench, index, model)
     except KeyboardInterrupt:
         report.interrupted = True
     except EdgeInferError as exc:
@@ -374,3 +338,114 @@ def run_bench(
     finally:
         progress.clear()
     return report
+
+
+def _new_report(
+    s: BenchSettings, machine: dict[str, Any], command: list[str] | None
+) -> BenchReport:
+    settings_record = asdict(s)
+    settings_record["models"] = list(s.models)
+    return BenchReport(
+        settings=settings_record,
+        machine=machine,
+        versions=versions(),
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command=command or [],
+    )
+
+
+def _bench_model(bench: _Bench, index: int, model: str) -> None:
+    """Every configuration of one model, round by round, edgeinfer and then its peers."""
+    from ..loader import resolve
+
+    s = bench.settings
+    source = resolve(model)  # a name or path that is no model fails here, in one line
+    peers = _peers(bench, source)
+    failed: set[Peer] = set()
+    configurations = product(s.threads, s.prompt_tokens, range(bench.rounds))
+    for i, (threads, n_prompt, rep) in enumerate(configurations):
+        run = _Run(source, threads, n_prompt, rep, step=index * bench.per_model + i + 1)
+        ours = _run_edgeinfer(bench, run)
+        # peers run what edgeinfer ran: its prompt ids, banned ids, device, context
+        handed = {key: ours.get(key) for key in _HANDED}
+        for peer in peers:
+            if peer not in failed and not _run_peer(bench, run, peer, handed):
+                failed.add(peer)
+
+
+_HANDED = ("prompt_ids", "ban_ids", "device", "provider", "n_gpu_layers", "context_length")
+
+
+def _peers(bench: _Bench, source: Any) -> list[Peer]:
+    """The peers installed for this model (--compare); the missing ones noted."""
+    if not bench.settings.compare:
+        return []
+    peers, skipped = peers_for(source.path, source.format, bench.settings.peer_models)
+    for line in skipped:
+        bench.progress.say(line)
+        bench.report.notes.append(line)
+    return peers
+
+
+def _run_edgeinfer(bench: _Bench, run: _Run) -> dict[str, Any]:
+    """edgeinfer's run; its failure ends the benchmark (there is nothing to compare with)."""
+    bench.progress.show(f"{_where(bench, run)} edgeinfer {_label(bench, run)}")
+    path = run.source.path
+    try:
+        ours = bench.runner({**_spec(bench, run), "engine": "edgeinfer", "model": str(path)})
+    except RunFailed as exc:
+        cls = _ERRORS.get(exc.kind, BackendUnavailableError)
+        raise cls(f"{run.source.name}: {exc}") from None
+    _keep(bench, run, "edgeinfer", str(path), ours)
+    return ours
+
+
+def _run_peer(bench: _Bench, run: _Run, peer: Peer, handed: dict[str, Any]) -> bool:
+    """A peer's run; False when it failed (it is left out, with a note, from then on)."""
+    bench.progress.show(f"{_where(bench, run)} {peer.engine} {_label(bench, run)}")
+    spec = {**_spec(bench, run), **handed, "engine": peer.engine, "model": str(peer.path)}
+    try:
+        theirs = bench.runner(spec)
+    except RunFailed as exc:
+        line = one_line(f"{peer.engine} failed on {peer.path.name}, left out: {exc}", 2000)
+        bench.progress.say(line)
+        bench.report.notes.append(line)
+        return False
+    _keep(bench, run, peer.engine, str(peer.path), theirs)
+    return True
+
+
+def _keep(bench: _Bench, run: _Run, engine: str, engine_model: str, record: dict[str, Any]) -> None:
+    """A measured run joins its row; a warm-up run is dropped."""
+    if run.round < bench.settings.warmup:
+        return
+    row = bench.report.row(run.source.name, str(run.source.path), engine, engine_model,
+                           run.threads, run.prompt_tokens, bench.settings.new_tokens)  # fmt: skip
+    row.runs.append(record)
+
+
+def _spec(bench: _Bench, run: _Run) -> dict[str, Any]:
+    """What every engine is asked in this round (the worker's input, less engine and model)."""
+    s = bench.settings
+    return {
+        "prompt_tokens": run.prompt_tokens,
+        "new_tokens": s.new_tokens,
+        "threads": run.threads,
+        "context_length": s.context_length,
+        "device": s.device,
+        "memory_budget": s.memory_budget,
+        "timeout_s": s.timeout_s,
+    }
+
+
+def _label(bench: _Bench, run: _Run) -> str:
+    s = bench.settings
+    if run.round >= s.warmup:
+        return f"run {run.round - s.warmup + 1}/{s.repetitions}"
+    return f"warm-up {run.round + 1}/{s.warmup}"
+
+
+def _where(bench: _Bench, run: _Run) -> str:
+    s = bench.settings
+    test = f"pp{run.prompt_tokens}+tg{s.new_tokens} t{run.threads}"
+    return f"bench [{run.step}/{bench.total}] {run.source.name} {test}"

@@ -42,6 +42,12 @@ def add_parser(sub: Any) -> None:
         help="require 'Authorization: Bearer KEY' (default: $EDGEINFER_API_KEY; required to "
         "bind an address other than loopback)",
     )
+    _add_request_flags(p)
+    add_model_flags(p)
+
+
+def _add_request_flags(p: argparse.ArgumentParser) -> None:
+    """Which requests are answered, how many may wait, how large, and how they are logged."""
     p.add_argument(
         "--max-queue",
         type=int,
@@ -74,7 +80,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--log-json", action="store_true", help="one JSON object per request line on stderr"
     )
-    add_model_flags(p)
 
 
 def _loopback(host: str) -> bool:
