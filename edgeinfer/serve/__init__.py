@@ -20,5 +20,7 @@ A request travels through these modules, in this order:
   ``connection`` watches the client and sends, ``streaming`` writes server-sent events.
 - ``replies``: the error bodies (one function per refusal) and the access log.
 - ``config``: ``ServerConfig``, the settings fixed at start.
-- ``cli``: the ``serve`` command's flags, start-up checks and uvicorn's lifecycle.
+
+The ``serve`` command itself (flags, start-up checks, uvicorn's lifecycle) is
+``edgeinfer/cli/serve.py``: this package never imports the CLI.
 """
