@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +169,7 @@ def _loaded_plan(args: argparse.Namespace) -> tuple[MemoryPlan | None, str | Non
     except json.JSONDecodeError:
         result = {}
     if "plan" in result:
-        known = {f.name for f in dataclasses.fields(MemoryPlan)}
+        known = {f.name for f in fields(MemoryPlan)}
         return MemoryPlan(**{k: v for k, v in result["plan"].items() if k in known}), None
     if "error" in result:
         return None, str(result["error"])
