@@ -25,7 +25,7 @@ from typing import Any
 CHILD = r"""
 import json, sys
 import edgeinfer
-from edgeinfer.memory import peak_rss
+from edgeinfer.rss import peak_rss
 model, budget, ctx, batch = sys.argv[1:5]
 fill, threads = float(sys.argv[5]), int(sys.argv[6])
 kw = {}
@@ -59,12 +59,12 @@ def rss():
 steps = {"python": rss()}
 import edgeinfer
 from edgeinfer.loader import resolve
-from edgeinfer.memory import peak_rss
+from edgeinfer.rss import peak_rss
 steps["import edgeinfer (numpy, psutil)"] = rss()
 source = resolve(sys.argv[1])
 if source.format == "gguf":
     import edgeinfer.runtimes.llama_cpp as backend
-    backend._engine()
+    backend.engine()
     steps["llama.cpp engine"] = rss()
 else:
     import onnxruntime, tokenizers

@@ -16,8 +16,9 @@ import edgeinfer
 from edgeinfer import ConversionError
 from edgeinfer.bench.peers import policy_llama
 from edgeinfer.converters import convert
-from edgeinfer.converters.gguf_export import TOKENIZER_CHECK_TEXT, interleave_rotary_rows
-from edgeinfer.converters.gguf_pipeline import sidecar_path
+from edgeinfer.converters.gguf.route import sidecar_path
+from edgeinfer.converters.gguf.writer import interleave_rotary_rows
+from edgeinfer.converters.validate import TOKENIZER_CHECK_TEXT
 
 pytest.importorskip("gguf", reason="needs the convert extra")
 
@@ -189,8 +190,8 @@ def test_writer_peak_memory_stays_below_the_checkpoint(
 ) -> None:
     code = (
         "import sys; from pathlib import Path\n"
-        "from edgeinfer.converters.gguf_export import write_gguf\n"
-        "from edgeinfer.memory import peak_rss\n"
+        "from edgeinfer.converters.gguf.writer import write_gguf\n"
+        "from edgeinfer.rss import peak_rss\n"
         "write_gguf(Path(sys.argv[1]), Path(sys.argv[2]), 'f16')\n"
         "print(peak_rss())\n"
     )
@@ -206,7 +207,7 @@ def test_writer_peak_memory_stays_below_the_checkpoint(
 
 
 def test_bos_flag_follows_the_post_processor_when_the_config_is_silent() -> None:
-    from edgeinfer.converters.gguf_tokenizer import _adds_bos
+    from edgeinfer.converters.gguf.tokenizer import _adds_bos
 
     tokens = ["<|begin_of_text|>", "a"]
     llama3 = {"post_processor": {"type": "Sequence", "processors": [
