@@ -80,7 +80,7 @@ def _gguf_name(hf: str, arch: str) -> str | None:
 
 
 class CheckpointTensors:
-    """The builder's tensor source over a safetensors index (see ``onnx.builder.tensors.GGUFTensors``)."""
+    """The builder's tensor source over a safetensors index (as ``builder.tensors.GGUFTensors``)."""
 
     def __init__(
         self,
