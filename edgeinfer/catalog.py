@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, BinaryIO
 
-from ._progress import Progress
 from .errors import ModelFetchError
+from .progress import Progress
 
 __all__ = ["CATALOG", "DEFAULT_MODEL", "CatalogEntry", "edgeinfer_home", "fetch", "lookup"]
 

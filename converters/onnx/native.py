@@ -10,10 +10,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from edgeinfer._progress import Progress
 from edgeinfer.errors import ConversionError
 from edgeinfer.gguf_file import read_gguf_header
 from edgeinfer.manifest import Manifest
+from edgeinfer.progress import Progress
 
 from ..atomic import atomic_output_dir, ensure_free_space
 from ..config import ConvertConfig
