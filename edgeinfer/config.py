@@ -28,6 +28,9 @@ class LoadConfig:
     # Flash attention in llama.cpp: faster on CPU here (decode ~+15%), but its sums differ in
     # the last bits, so greedy output can differ from llama.cpp's default (off) at near-ties.
     flash_attention: bool = False
+    # Sequence slots sharing the model and one KV allocation (load(..., parallel=N)); the
+    # backend sizes its cache for this many sequences of context_length tokens each.
+    parallel: int = 1
     # Prefill batch (llama.cpp n_batch/n_ubatch; ONNX prefill chunk), set by the memory plan.
     batch_size: int | None = None
     # Set by load(): re-fits the context to the memory measured once the weights are loaded
@@ -48,6 +51,12 @@ class LoadConfig:
         if not isinstance(self.flash_attention, bool):
             raise InvalidRequestError(
                 f"flash_attention={self.flash_attention!r} is invalid: expected True or False"
+            )
+        parallel = self.parallel
+        if not isinstance(parallel, int) or isinstance(parallel, bool) or not 1 <= parallel <= 256:
+            raise InvalidRequestError(
+                f"parallel={parallel!r} is invalid: expected an integer from 1 to 256 (sequence "
+                "slots) or 'auto'"
             )
         threads = self.threads
         if threads is not None and (

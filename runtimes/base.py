@@ -21,10 +21,12 @@ from edgeinfer.errors import InvalidRequestError
 __all__ = [
     "TOKEN_TEXT_RULE",
     "Backend",
+    "SlotBackend",
     "Tokenizer",
     "TokenizerBase",
     "aligned_chunks",
     "check_fits",
+    "check_slot",
     "is_marker",
     "tokenizer_text",
 ]
@@ -149,6 +151,43 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release the engine session; calling it again does nothing."""
+
+
+@runtime_checkable
+class SlotBackend(Backend, Protocol):
+    """A backend whose one model and one KV allocation hold ``n_slots`` sequences.
+
+    Slot ``s`` (``0 <= s < n_slots``) is a sequence with its own cache of up to ``n_ctx``
+    tokens. ``prefill``/``decode``/``rewind`` take the slot (default 0, so a slot backend
+    is also a plain ``Backend`` driving slot 0) and ``n_past`` is slot 0's. ``decode_many``
+    is the batched step: one forward pass appends one token to each listed slot and returns
+    their logits, row ``i`` for ``steps[i]``, as a float32 array [len(steps), vocab] valid
+    until the next call. ``kv_nbytes`` counts every slot.
+    """
+
+    @property
+    def n_slots(self) -> int:
+        """Sequences the KV allocation holds."""
+
+    def slot_past(self, slot: int) -> int:
+        """Tokens currently in slot ``slot``'s cache."""
+
+    def prefill(self, token_ids: Sequence[int], slot: int = 0) -> np.ndarray: ...
+
+    def decode(self, token_id: int, slot: int = 0) -> np.ndarray: ...
+
+    def rewind(self, n: int, slot: int = 0) -> None: ...
+
+    def decode_many(self, steps: Sequence[tuple[int, int]]) -> np.ndarray:
+        """Append token ``t`` to slot ``s`` for each ``(s, t)`` in ``steps`` (distinct slots),
+        in one forward pass; the logits [len(steps), vocab] of those positions."""
+
+
+def check_slot(slot: int, n_slots: int) -> int:
+    """``slot`` if it names one of ``n_slots`` slots; InvalidRequestError otherwise."""
+    if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < n_slots:
+        raise InvalidRequestError(f"slot {slot!r} is not one of this model's {n_slots} slots")
+    return slot
 
 
 class TokenizerBase:
