@@ -183,7 +183,7 @@ def native_folder_for(source: ModelSource) -> Path:
     return catalog.edgeinfer_home() / "derived" / name
 
 
-_NATIVE_FORMAT = 2  # bump when the builder's output changes, so old folders are rebuilt
+_NATIVE_FORMAT = 3  # bump when the builder's output changes, so old folders are rebuilt
 
 
 def _build_native(src: Path, folder: Path) -> None:
