@@ -15,11 +15,14 @@ from typing import Any
 from ..errors import BackendUnavailableError, InvalidRequestError
 from ..serve.config import ServerConfig
 from ..serve.guard import allowed_hosts, check_api_key
+from ..serve.wire import shown
 from .common import add_model_flags, load_model
 
 __all__ = ["add_parser", "cmd_serve"]
 
 logger = logging.getLogger("edgeinfer.serve")
+
+_MAX_PARALLEL = 256  # LoadConfig's bound on sequence slots
 
 
 def add_parser(sub: Any) -> None:
@@ -28,7 +31,8 @@ def add_parser(sub: Any) -> None:
         help="serve a model over OpenAI's HTTP API (chat and completions, streamed or not)",
         description="Serve MODEL (default: the catalog's default model) at "
         "http://HOST:PORT/v1 with OpenAI's wire format: POST /v1/chat/completions, POST "
-        "/v1/completions, GET /v1/models, and GET /health. One model; requests take it in "
+        "/v1/completions, GET /v1/models, and GET /health. One model; up to --parallel "
+        "requests run at once (batched into one forward pass per token), the rest wait in "
         "arrival order, and past --max-queue waiting ones a request gets 503 with "
         "Retry-After. Loopback only unless --api-key is set. Needs edgeinfer[serve].",
     )
@@ -47,13 +51,22 @@ def add_parser(sub: Any) -> None:
 
 
 def _add_request_flags(p: argparse.ArgumentParser) -> None:
-    """Which requests are answered, how many may wait, how large, and how they are logged."""
+    """Which requests are answered, how many run and wait, how large, and how they are
+    logged."""
+    p.add_argument(
+        "--parallel",
+        default="1",
+        metavar="N|auto",
+        help="requests generated at once: the model gets N sequence slots sharing its "
+        "weights and one KV allocation, and their tokens go through one forward pass per "
+        "step; 'auto' takes as many as the memory budget holds (default: 1)",
+    )
     p.add_argument(
         "--max-queue",
         type=int,
         default=8,
         metavar="N",
-        help="requests that may wait for the model; more get 503 (default: 8)",
+        help="requests that may wait for a free slot; more get 503 (default: 8)",
     )
     p.add_argument(
         "--cors-origin",
@@ -92,6 +105,7 @@ def _loopback(host: str) -> bool:
 
 
 def check_settings(args: argparse.Namespace) -> None:
+    args.parallel = _parallel(args.parallel)
     if not 1 <= args.port <= 65535:
         raise InvalidRequestError(f"--port {args.port} must be from 1 to 65535")
     if args.max_queue < 0:
@@ -116,6 +130,19 @@ def check_settings(args: argparse.Namespace) -> None:
         ) from exc
 
 
+def _parallel(value: str | int) -> int | str:
+    """--parallel as ``load`` takes it: an integer from 1 to 256, or "auto"."""
+    text = str(value).strip()
+    if text.lower() == "auto":
+        return "auto"
+    if text.isascii() and text.isdigit() and 1 <= int(text) <= _MAX_PARALLEL:
+        return int(text)
+    raise InvalidRequestError(
+        f"--parallel {shown(text)} is invalid: give a number of sequence slots from 1 to "
+        f"{_MAX_PARALLEL}, or auto"
+    )
+
+
 def _family(host: str) -> socket.AddressFamily:
     try:
         return socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
@@ -136,12 +163,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_settings(args)
     args.model = args.model or catalog.DEFAULT_MODEL
     _log_access_to_stderr()
-    with load_model(args) as model:
+    with _load(args) as model:
         name = args.model if isinstance(args.model, str) else str(args.model)
         app = create_app(model, _config(args, name))
+        slots = getattr(model, "parallel", 1)
         print(
             f"edgeinfer: serving {name} at http://{args.host}:{args.port}/v1 "
-            f"({model.info.get('provider')}, context {model.context_length})",
+            f"({model.info.get('provider')}, context {model.context_length}"
+            f"{f', {slots} slots' if slots != 1 else ''})",
             file=sys.stderr,
             flush=True,
         )
@@ -151,6 +180,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
             os._exit(1)
     _ignore_stop_signals()  # the process is on its way out: a late signal must not kill it
     return 0
+
+
+def _load(args: argparse.Namespace) -> Any:
+    """The model the flags name, with --parallel slots (at 1: exactly as the other
+    commands load it)."""
+    if args.parallel == 1:
+        return load_model(args)
+    from ..loader import load
+
+    return load(
+        args.model,
+        device=args.device,
+        allow_fallback=args.allow_fallback,
+        memory_budget=args.memory_budget,
+        context_overflow=args.context_overflow,
+        context_length=args.context_length,
+        threads=args.threads,
+        parallel=args.parallel,
+    )
 
 
 def _log_access_to_stderr() -> None:

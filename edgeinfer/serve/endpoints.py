@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from ..errors import InvalidRequestError
 from ..model import Model
 from . import wire
-from .admission import Admission, admit
+from .admission import Admission, admit, model_activity, model_slots
 from .body import ClientLeft, read_json
 from .config import ServerConfig
 from .delivery import GenerationReply
@@ -55,7 +55,8 @@ class Context:
     def create(cls, model: Model, config: ServerConfig) -> Context:
         key = key_bytes(config.api_key) if config.api_key is not None else None
         access = AccessLog(as_json=config.log_json)
-        return cls(model, config, Admission(config.max_queue), access, key, wire.now())
+        admission = Admission(config.max_queue, slots=model_slots(model))
+        return cls(model, config, admission, access, key, wire.now())
 
 
 async def chat(ctx: Context, request: Request) -> Any:
@@ -77,15 +78,20 @@ async def models(ctx: Context, request: Request) -> Response:
 
 
 async def health(ctx: Context, request: Request) -> Response:
+    """The model, its memory, and its load: ``activity`` is ``{"slots", "busy", "queued"}``
+    (sequence slots, slots running a request, requests waiting for one); ``queue`` repeats
+    the waiting count and ``busy`` says whether any request is admitted at all."""
     info = ctx.model.info
+    activity = model_activity(ctx.model, ctx.admission)
     return JSONResponse(
         {
             "status": "ok",
             "model": ctx.config.name,
             "provider": info.get("provider"),
             "context_length": info.get("context_length"),
-            "queue": ctx.admission.waiting,
+            "queue": activity["queued"],
             "busy": ctx.admission.busy,
+            "activity": activity,
             "memory_plan": info.get("memory_plan"),
             "peak_rss_bytes": _peak_rss(),
         }

@@ -1,7 +1,9 @@
 """One job per admitted request: a worker thread that waits for its turn in the queue
 (``admission.py``), runs the model's token stream and hands each chunk to the event loop.
-Cancelling it (the client left, the server shuts down) drops a waiting job at once and stops
-a running one within one token (``TokenStream.cancel``).
+With several slots, several jobs' threads iterate their own streams at once and the model's
+engine batches them; each job still sees only its own chunks. Cancelling a job (the client
+left, the server shuts down) drops a waiting one at once and stops a running one within one
+token (``TokenStream.cancel``), leaving the other running jobs as they are.
 """
 
 from __future__ import annotations
