@@ -100,7 +100,7 @@ def run_batch(
     """
     src, dst = Path(in_path), Path(out_path)
     base = SamplingConfig.from_kwargs(config, **sampling)
-    _check_paths(src, dst)
+    check_paths(src, dst)
     if isinstance(model, (str, os.PathLike)):
         from ..loader import load
 
@@ -119,7 +119,7 @@ def run_batch(
     done = recover(dst)
     meter = Meter(count_lines(src) - sum(done.values()), progress_stream, enabled=progress)
     job = _Job(model, 2 * max(1, slots), meter)
-    plan = _Plan(done)
+    plan = Plan(done)
     try:
         with OutputFile(dst) as out, job.running(out), _interrupts(job):
             for row in plan.pending(read_rows(src, base)):
@@ -140,14 +140,14 @@ def run_batch(
     return summary
 
 
-def _check_paths(src: Path, dst: Path) -> None:
+def check_paths(src: Path, dst: Path) -> None:
     if dst.exists() and src.exists() and dst.resolve() == src.resolve():
         raise InvalidRequestError(f"the output {dst} is the input; write the output elsewhere")
     if not dst.parent.is_dir():
         raise InvalidRequestError(f"the output's folder {dst.parent} does not exist")
 
 
-class _Plan:
+class Plan:
     """Which rows run: the k-th row with an id runs unless the output already holds k records
     with that id; a row whose id came before in the input is a duplicate (an error record)."""
 
