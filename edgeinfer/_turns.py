@@ -39,6 +39,12 @@ class Turns:
         with self._cond:
             return self._issued != self._serving
 
+    @property
+    def waiting(self) -> int:
+        """Requests holding or waiting for a turn."""
+        with self._cond:
+            return self._issued - self._serving - len(self._abandoned)
+
     def _take(self, wait: bool) -> int:
         with self._cond:
             if self._owner == threading.get_ident():

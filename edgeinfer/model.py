@@ -14,8 +14,10 @@ import numpy as np
 from . import generation
 from ._turns import Turns
 from .chat import encode_chat, render_chat
+from .engine import Engine
 from .errors import EdgeInferError, InvalidRequestError, short_repr
 from .generation import Chunk, GenerationResult, KVHistory, TokenStream
+from .many import Request, collect_in_order, read_request
 from .memory import MemoryPlan
 from .sampling import Sampler, SamplingConfig, is_int
 
@@ -61,6 +63,7 @@ class Model:
         provider_chain: Sequence[Mapping[str, Any]] = (),
         memory_plan: MemoryPlan | None = None,
         context_overflow: str = "stop",
+        route: Mapping[str, Any] | None = None,
     ) -> None:
         if context_overflow not in ("stop", "slide"):
             raise InvalidRequestError(
@@ -78,6 +81,9 @@ class Model:
         self._history = KVHistory()
         self._turns = Turns()
         self._closed = False
+        self._route = dict(route) if route is not None else None
+        # parallel > 1: one engine thread steps every caller's sequence together
+        self._engine = Engine(backend) if getattr(backend, "n_slots", 1) > 1 else None
 
     # -- requests -------------------------------------------------------------------------
 
@@ -113,13 +119,24 @@ class Model:
         cfg = SamplingConfig.from_kwargs(config, **sampling)
         return self._stream(ids, cfg, self._bos_len(), wait)
 
-    def _stream(self, ids: list[int], cfg: SamplingConfig, keep: int, wait: bool) -> TokenStream:
+    def _stream(
+        self, ids: list[int], cfg: SamplingConfig, keep: int, wait: bool, *, eager: bool = False
+    ) -> TokenStream:
+        """The stream of one checked request; ``eager`` joins the batch now rather than when
+        iteration starts."""
         if not isinstance(wait, bool):
             raise InvalidRequestError(f"wait={wait!r} is invalid: expected True or False")
         sampler = generation.check_request(self._backend, ids, cfg)  # raises now, not at next()
         cancel = threading.Event()
         parse = sampler.constraint.parse if sampler.constraint is not None else None
-        return TokenStream(self._locked(ids, sampler, cancel, keep, wait), cancel, parse)
+        if self._engine is not None and eager:
+            slide_keep = keep if self._slide else None
+            chunks = self._engine.submit(ids, sampler, cancel, slide_keep, wait=wait)
+        elif self._engine is not None:
+            chunks = self._joined(ids, sampler, cancel, keep, wait)
+        else:
+            chunks = self._locked(ids, sampler, cancel, keep, wait)
+        return TokenStream(chunks, cancel, parse)
 
     @overload
     def chat(
@@ -166,19 +183,71 @@ class Model:
                 f"parse_special_in_content={parse_special_in_content!r} is invalid: expected "
                 "True or False"
             )
-        ids = self._chat_ids(messages, parse_special_in_content=parse_special_in_content)
+        ids, keep = self._chat_request(messages, parse_special_in_content)
+        result = self._stream(ids, SamplingConfig.from_kwargs(config, **sampling), keep, wait)
+        return result if stream else result.collect()
+
+    def _chat_request(self, messages: Messages, parse_special: bool) -> tuple[list[int], int]:
+        """The prompt ids of ``messages`` and the tokens a sliding context keeps."""
+        ids = self._chat_ids(messages, parse_special_in_content=parse_special)
         keep = self._bos_len()
         if self._slide and messages and messages[0].get("role") == "system":
             # what a sliding context keeps: the rendered system message
             system = self._chat_ids(
-                messages[:1],
-                add_generation_prompt=False,
-                parse_special_in_content=parse_special_in_content,
+                messages[:1], add_generation_prompt=False, parse_special_in_content=parse_special
             )
             pairs = enumerate(zip(ids, system, strict=False))
             keep = next((i for i, (a, b) in pairs if a != b), min(len(system), len(ids)))
-        result = self._stream(ids, SamplingConfig.from_kwargs(config, **sampling), keep, wait)
-        return result if stream else result.collect()
+        return ids, keep
+
+    def generate_many(
+        self,
+        requests: Sequence[Request],
+        config: SamplingConfig | None = None,
+        **sampling: Any,
+    ) -> list[GenerationResult]:
+        """Run many requests as one batch; their results in input order.
+
+        Each request is a prompt (text or token ids) or a mapping with ``prompt`` or
+        ``messages`` (role/content dicts, through the chat template) and its own sampling
+        fields, which override ``config`` and ``**sampling``. Every request is checked before
+        any runs (an invalid one raises ``InvalidRequestError`` naming its index). With
+        ``load(..., parallel=N)`` up to N run at once, sharing each forward pass; at
+        ``parallel=1`` they run one after another.
+        """
+        self._require_open()
+        if isinstance(requests, (str, bytes, Mapping)) or not isinstance(requests, Sequence):
+            raise InvalidRequestError(
+                "generate_many() takes a list of requests (prompts or mappings with 'prompt' "
+                f"or 'messages'), not {type(requests).__name__}"
+            )
+        base = SamplingConfig.from_kwargs(config, **sampling)
+        prepared = [self._many_request(i, r, base) for i, r in enumerate(requests)]
+
+        def starter(ids: list[int], cfg: SamplingConfig, keep: int) -> Any:
+            return lambda: self._stream(ids, cfg, keep, True, eager=True)
+
+        starters = [starter(*p) for p in prepared]
+        return collect_in_order(starters, window=4 * self.parallel)
+
+    def _many_request(
+        self, index: int, request: Any, base: SamplingConfig
+    ) -> tuple[list[int], SamplingConfig, int]:
+        """Request ``index`` read and checked: its ids, sampling and sliding keep."""
+        try:
+            kind, payload, fields = read_request(index, request)
+            cfg = SamplingConfig.from_kwargs(base, **fields)
+            if kind == "messages":
+                ids, keep = self._chat_request(payload, False)
+            else:
+                ids, keep = self._prompt_ids(payload), self._bos_len()
+            generation.check_request(self._backend, ids, cfg)
+        except InvalidRequestError as exc:
+            message = str(exc)
+            if not message.startswith(f"requests[{index}]"):
+                message = f"requests[{index}]: {message}"
+            raise InvalidRequestError(message) from exc
+        return ids, cfg, keep
 
     def _chat_ids(
         self,
@@ -262,7 +331,22 @@ class Model:
             "vocab_size": self._tokenizer.n_vocab,
             "fallback_chain": [dict(entry) for entry in self._chain],
             "memory_plan": self._memory_plan.to_dict() if self._memory_plan else None,
+            "parallel": self.parallel,
+            "route": dict(self._route) if self._route is not None else None,
         }
+
+    @property
+    def parallel(self) -> int:
+        """Sequences the model runs at once (its slots; ``load(..., parallel=N)``)."""
+        return int(getattr(self._backend, "n_slots", 1))
+
+    @property
+    def activity(self) -> dict[str, int]:
+        """Slots, slots busy, and requests waiting for a slot, now."""
+        if self._engine is not None:
+            return self._engine.activity
+        waiting = self._turns.waiting
+        return {"slots": 1, "busy": int(self._turns.busy), "queued": max(0, waiting - 1)}
 
     @property
     def context_length(self) -> int:
@@ -273,6 +357,8 @@ class Model:
     def close(self) -> None:
         """Free the engine and its KV cache; calling it again does nothing. A SIGINT or
         SIGTERM arriving meanwhile takes effect once the engine is freed."""
+        if self._engine is not None:
+            self._engine.close()  # running sequences end "cancelled"; the loop stops
         with self._turns.turn():
             if not self._closed:
                 self._closed = True
@@ -306,6 +392,16 @@ class Model:
                 f"prompt must be text or a list of token ids, not {type(prompt).__name__}"
             )
         return checked_token_ids(prompt, self._tokenizer.n_vocab, "prompt")
+
+    def _joined(
+        self, ids: list[int], sampler: Sampler, cancel: threading.Event, keep: int, wait: bool
+    ) -> Iterator[Chunk]:
+        """Serve one request as a sequence of the running batch (joined when iteration
+        starts)."""
+        assert self._engine is not None
+        self._require_open()
+        slide_keep = keep if self._slide else None
+        yield from self._engine.submit(ids, sampler, cancel, slide_keep, wait=wait)
 
     def _locked(
         self, ids: list[int], sampler: Sampler, cancel: threading.Event, keep: int, wait: bool

@@ -7,6 +7,7 @@ the whole token history, so mixed-up KV state shows as different output.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -108,3 +109,52 @@ class FakeBackend:
 
     def close(self) -> None:
         self.closed = True
+
+
+class FakeSlotBackend(FakeBackend):
+    """FakeBackend with ``n_slots`` sequences: each slot's logits depend on its own history
+    only, so a sequence in a batch gives exactly what it gives alone. ``steps`` records each
+    call: ("prefill", slot, n) or ("decode", (slots...))."""
+
+    def __init__(self, n_slots: int = 4, n_ctx: int = 256, seed: int = 0, **kw: Any) -> None:
+        super().__init__(n_ctx=n_ctx, seed=seed, **kw)
+        self._slot_caches: list[list[int]] = [[] for _ in range(n_slots)]
+        self.steps: list[tuple[Any, ...]] = []
+        self.fail_next_decode = False
+        self.delay = 0.0  # seconds each forward pass takes (a slow engine)
+
+    @property
+    def n_slots(self) -> int:
+        return len(self._slot_caches)
+
+    def slot_past(self, slot: int) -> int:
+        return len(self._slot_caches[slot])
+
+    def _with(self, slot: int) -> None:
+        self.cache = self._slot_caches[slot]
+
+    def prefill(self, token_ids: Sequence[int], slot: int = 0) -> np.ndarray:
+        self._with(slot)
+        self.steps.append(("prefill", slot, len(token_ids)))
+        return super().prefill(token_ids)
+
+    def decode(self, token_id: int, slot: int = 0) -> np.ndarray:
+        return self.decode_many([(slot, token_id)])[0]
+
+    def rewind(self, n: int, slot: int = 0) -> None:
+        self._with(slot)
+        super().rewind(n)
+
+    def decode_many(self, steps: Sequence[tuple[int, int]]) -> np.ndarray:
+        if self.fail_next_decode:
+            self.fail_next_decode = False
+            raise RuntimeError("the engine failed")
+        time.sleep(self.delay)
+        slots = [s for s, _ in steps]
+        assert len(set(slots)) == len(slots), "a slot listed twice"
+        self.steps.append(("decode", tuple(slots)))
+        rows = []
+        for slot, token in steps:
+            self._with(slot)
+            rows.append(FakeBackend.decode(self, token))
+        return np.stack(rows)

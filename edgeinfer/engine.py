@@ -1,0 +1,374 @@
+"""The engine loop: one thread owns a slot backend and steps every running sequence together.
+
+Callers (threads, the server, a batch job) submit requests; each step the loop
+
+1. admits waiting requests, first come first served, into free slots (the free slot whose
+   cache shares the longest prefix with the prompt, so prefix reuse stays per slot and exact
+   by ``KVHistory``'s rule);
+2. ends sequences whose caller cancelled or went away;
+3. runs one forward pass (``decode_many``) carrying the next token of every decoding slot;
+4. reads a chunk of one prefilling slot's prompt: the whole rest when nothing decodes, else a
+   chunk of at most ``max_step_tokens`` minus the decoding slots, cut at absolute positions
+   that are multiples of ``REUSE_GRANULE`` (so a prompt read in chunks is batched as when it
+   is read whole, and running streams keep decoding while a long prompt joins);
+
+and hands each slot's logits to its own ``SequenceState`` (sampler, grammar matcher, stop
+strings, detokenizer), whose chunks go to that request's queue. Cancelling one sequence
+leaves the others running. At ``parallel=1`` the model does not use this loop at all: the
+caller's thread runs ``generation.run`` as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import EdgeInferError, ModelBusyError
+from .generation import REUSE_GRANULE, Chunk, KVHistory, SequenceState, _slide
+from .sampling import Sampler
+
+if TYPE_CHECKING:
+    from .runtimes.base import SlotBackend
+
+__all__ = ["Engine", "SlotView"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PREFILL_CHUNK = 64  # prompt tokens read per step while other sequences decode
+_POLL_S = 0.1  # how often a waiting consumer looks up from its queue (for signals)
+
+
+class SlotView:
+    """One slot of a slot backend seen as a single-sequence backend (what ``KVHistory``
+    and ``_slide`` drive)."""
+
+    def __init__(self, backend: SlotBackend, slot: int) -> None:
+        self._backend = backend
+        self.slot = slot
+        self.tokenizer = backend.tokenizer
+
+    @property
+    def n_ctx(self) -> int:
+        return self._backend.n_ctx
+
+    @property
+    def n_past(self) -> int:
+        return self._backend.slot_past(self.slot)
+
+    @property
+    def reuse_is_exact(self) -> bool:
+        return self._backend.reuse_is_exact
+
+    def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
+        return self._backend.prefill(token_ids, self.slot)
+
+    def decode(self, token_id: int) -> np.ndarray:
+        return self._backend.decode(token_id, self.slot)
+
+    def rewind(self, n: int) -> None:
+        self._backend.rewind(n, self.slot)
+
+
+@dataclass(eq=False)
+class _Request:
+    ids: list[int]
+    sampler: Sampler
+    cancel: threading.Event
+    slide_keep: int | None
+    out: queue.SimpleQueue[Chunk | BaseException] = field(default_factory=queue.SimpleQueue)
+    t_submit: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(eq=False)
+class _Slot:
+    view: SlotView
+    history: KVHistory = field(default_factory=KVHistory)
+    request: _Request | None = None
+    seq: SequenceState | None = None
+    pending: list[int] = field(default_factory=list)  # prompt tokens not read yet
+    done: int = 0  # prompt tokens in the cache
+    token: int | None = None  # the sampled token the next decode step appends
+
+    def free(self) -> None:
+        self.request = self.seq = self.token = None
+        self.pending = []
+
+
+class Engine:
+    """The loop that steps every sequence of one slot backend; see the module docstring."""
+
+    def __init__(
+        self,
+        backend: SlotBackend,
+        *,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        max_step_tokens: int | None = None,
+    ) -> None:
+        self._backend = backend
+        self._slots = [_Slot(SlotView(backend, s)) for s in range(backend.n_slots)]
+        self._chunk = max(REUSE_GRANULE, prefill_chunk - prefill_chunk % REUSE_GRANULE)
+        self._max_step = max_step_tokens or backend.n_slots + self._chunk
+        self._waiting: deque[_Request] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="edgeinfer-engine", daemon=True)
+        self._thread.start()
+
+    # -- callers' side ------------------------------------------------------------------
+
+    def submit(
+        self,
+        ids: list[int],
+        sampler: Sampler,
+        cancel: threading.Event,
+        slide_keep: int | None = None,
+        *,
+        wait: bool = True,
+    ) -> Iterator[Chunk]:
+        """Queue one request (checked by ``check_request``) now; its chunks, in order.
+        Closing the iterator early cancels the sequence."""
+        request = _Request(ids, sampler, cancel, slide_keep)
+        with self._cond:
+            if self._stopping:
+                raise EdgeInferError("the model is closed; load it again")
+            if not wait and (self._waiting or self._free_slots() == 0):
+                raise ModelBusyError(
+                    f"all {len(self._slots)} slots of the model are busy; wait for one "
+                    "(wait=True, the default) or load the model with a larger parallel"
+                )
+            self._waiting.append(request)
+            self._cond.notify_all()
+        return _consume(request)
+
+    @property
+    def activity(self) -> dict[str, int]:
+        with self._cond:
+            busy = len(self._slots) - self._free_slots()
+            return {"slots": len(self._slots), "busy": busy, "queued": len(self._waiting)}
+
+    def close(self) -> None:
+        """End every sequence (running ones with ``cancelled``; waiting ones with an error)
+        and stop the loop; the backend stays open for the caller to close."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _free_slots(self) -> int:
+        return sum(1 for slot in self._slots if slot.request is None)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while (
+                    not self._stopping
+                    and not self._waiting
+                    and self._free_slots() == len(self._slots)
+                ):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                admitted = self._admit()
+            for slot in admitted:
+                self._start(slot)
+            try:
+                self._step()
+            except BaseException as exc:  # an engine failure ends every running sequence
+                logger.exception("engine step failed")
+                self._fail_running(exc)
+        self._shutdown()
+
+    def _admit(self) -> list[_Slot]:
+        """Move waiting requests into free slots (the caller holds the condition)."""
+        admitted = []
+        while self._waiting:
+            free = [slot for slot in self._slots if slot.request is None]
+            if not free:
+                break
+            request = self._waiting.popleft()
+            slot = max(free, key=lambda s: _shared_prefix(s.history.tokens, request.ids))
+            slot.request = request
+            admitted.append(slot)
+        return admitted
+
+    def _start(self, slot: _Slot) -> None:
+        """Set up a just-admitted slot: its sequence state and the prompt left to read."""
+        request = slot.request
+        assert request is not None
+        seq = SequenceState(self._backend.tokenizer, request.ids, request.sampler)
+        seq.t_start = request.t_submit
+        slot.seq = seq
+        try:
+            seq.reused = slot.history.reuse(slot.view, request.ids)
+        except BaseException as exc:
+            self._end(slot, exc)
+            return
+        slot.done = seq.reused
+        slot.pending = request.ids[seq.reused :]
+
+    def _step(self) -> None:
+        for slot in self._slots:
+            if slot.request is not None and slot.request.cancel.is_set():
+                self._finish_cancelled(slot)
+        decoding = [slot for slot in self._slots if slot.token is not None]
+        for slot in [s for s in decoding if self._must_slide(s)]:
+            decoding.remove(slot)
+            self._slide(slot)
+        if decoding:
+            self._decode(decoding)
+        prefilling = [slot for slot in self._slots if slot.pending]
+        if prefilling:
+            busy = sum(1 for slot in self._slots if slot.token is not None)
+            self._prefill(prefilling[0], busy)
+
+    def _decode(self, decoding: list[_Slot]) -> None:
+        assert all(slot.token is not None for slot in decoding)
+        steps = [(slot.view.slot, int(slot.token)) for slot in decoding]  # type: ignore[arg-type]
+        if len(steps) == 1:
+            rows = self._backend.decode(steps[0][1], steps[0][0])[None, :]
+        else:
+            rows = self._backend.decode_many(steps)
+        for i, slot in enumerate(decoding):
+            slot.history.tokens.append(steps[i][1])
+            self._advance(slot, rows[i])
+
+    def _prefill(self, slot: _Slot, decoding: int) -> None:
+        """Read the next chunk of ``slot``'s prompt; once it is all read, take the first
+        token."""
+        if decoding == 0:
+            chunk = slot.pending
+        else:
+            room = max(REUSE_GRANULE, self._max_step - decoding)
+            room -= room % REUSE_GRANULE
+            chunk = slot.pending[: room - slot.done % room]  # ends at a multiple of room
+        try:
+            logits = slot.view.prefill(chunk)
+        except BaseException as exc:
+            slot.history = KVHistory()
+            _rewind_quietly(slot.view)
+            self._end(slot, exc)
+            return
+        slot.done += len(chunk)
+        slot.pending = slot.pending[len(chunk) :]
+        request = slot.request
+        assert request is not None and slot.seq is not None
+        slot.history.tokens = request.ids[: slot.done]
+        slot.history.batched = slot.done
+        if not slot.pending:
+            slot.seq.t_first = slot.seq.t_last = time.perf_counter()
+            self._advance(slot, logits)
+
+    def _advance(self, slot: _Slot, logits: np.ndarray) -> None:
+        """Hand one position's logits to the slot's sequence; deliver what it makes."""
+        seq, request = slot.seq, slot.request
+        assert seq is not None and request is not None
+        full = len(slot.history.tokens) + 1 >= self._backend.n_ctx
+        try:
+            step = seq.step(
+                logits,
+                cancelled=request.cancel.is_set(),
+                out_of_room=full and request.slide_keep is None,
+            )
+        except BaseException as exc:  # a grammar failure: this sequence only
+            self._end(slot, exc)
+            return
+        if step.finish is not None:
+            self._end(slot, seq.last_chunk(step.text, step.finish))
+            return
+        if step.text:
+            request.out.put(seq.chunk(step.text))
+        slot.token = step.token
+
+    def _must_slide(self, slot: _Slot) -> bool:
+        request = slot.request
+        full = len(slot.history.tokens) + 1 >= self._backend.n_ctx
+        return full and request is not None and request.slide_keep is not None
+
+    def _slide(self, slot: _Slot) -> None:
+        request = slot.request
+        assert request is not None and request.slide_keep is not None and slot.token is not None
+        try:
+            logits = _slide(slot.view, slot.history, slot.token, request.slide_keep)
+        except BaseException as exc:
+            slot.history = KVHistory()
+            _rewind_quietly(slot.view)
+            self._end(slot, exc)
+            return
+        self._advance(slot, logits)
+
+    def _finish_cancelled(self, slot: _Slot) -> None:
+        seq = slot.seq
+        assert seq is not None
+        if not seq.t_first:
+            seq.t_first = seq.t_last = time.perf_counter()
+        self._end(slot, seq.last_chunk("", "cancelled"))
+
+    def _end(self, slot: _Slot, last: Chunk | BaseException) -> None:
+        """Deliver the request's last item and free its slot."""
+        request = slot.request
+        assert request is not None
+        request.out.put(last)
+        with self._cond:
+            slot.free()
+
+    def _fail_running(self, exc: BaseException) -> None:
+        """After a failed forward pass no slot's cache can be trusted: end them all."""
+        for slot in self._slots:
+            slot.history = KVHistory()
+            _rewind_quietly(slot.view)
+            if slot.request is not None:
+                self._end(slot, exc)
+
+    def _shutdown(self) -> None:
+        closed = EdgeInferError("the model was closed before this request ran; load it again")
+        for slot in self._slots:
+            if slot.request is not None and slot.seq is not None:
+                self._finish_cancelled(slot)
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), deque()
+        for request in waiting:
+            request.out.put(closed)
+
+
+def _consume(request: _Request) -> Iterator[Chunk]:
+    """The request's chunks as the engine delivers them; leaving early cancels it."""
+    try:
+        while True:
+            try:
+                item = request.out.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+    finally:
+        request.cancel.set()
+
+
+def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _rewind_quietly(view: SlotView) -> None:
+    try:
+        view.rewind(0)
+    except Exception:  # the engine is already failing; the slot is reset on its next use
+        logger.debug("could not rewind slot %d", view.slot, exc_info=True)
