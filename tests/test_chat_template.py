@@ -407,6 +407,30 @@ def test_a_huge_template_does_not_compile_past_the_deadline() -> None:
         fails(source, "ran longer than|nests too deeply|MemoryError")
 
 
+def test_work_that_swallowed_the_deadline_still_counts_as_late() -> None:
+    # CPython drops a trace function once it raises; code that catches BaseException (a
+    # generator closed by the garbage collector) then runs on unwatched: it must not pass.
+    from edgeinfer.chat._budget import Abort, Budget, Guard, traced
+
+    def spin(seconds: float) -> None:  # this test module: code the tracer leaves alone
+        time.sleep(seconds)
+
+    swallowing = {"__name__": "jinja2.swallowing", "spin": spin}
+    exec(  # a library frame that catches everything, as a finalizer's caller does
+        "def work(seconds):\n"
+        "    try:\n"
+        "        spin(seconds)\n"
+        "        late = 1\n"  # the first line past the deadline: its Abort is swallowed
+        "    except BaseException:\n"
+        "        pass\n"
+        "    return 'done'\n",
+        swallowing,
+    )
+    budget = Budget(1000, 1000, time.monotonic() + 0.05, 0.05, 64, 64)
+    with pytest.raises(Abort, match="ran longer"), Guard(budget):
+        traced(budget, swallowing["work"], 0.3)
+
+
 # -- the trace function: this thread only, and a caller's tracer is kept ----------------------
 
 SLOW_FILTER = "{{ ('<a> ' * 900000)|safe|striptags }}"

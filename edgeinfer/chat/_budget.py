@@ -237,9 +237,14 @@ def traced(budget: Budget, func: Callable[..., _T], *args: Any, **kwargs: Any) -
         return func(*args, **kwargs)
     sys.settrace(budget.tracer)
     try:
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
     finally:
         sys.settrace(previous)
+    # CPython drops a trace function once it raises: when the tracer's Abort went into a
+    # frame that swallowed it (a generator closed by the garbage collector, a finalizer),
+    # the work ran on unwatched; it must not count as done in time.
+    budget.tick()
+    return result
 
 
 def _deadline_tracer(budget: Budget, previous: TraceFunction | None) -> TraceFunction:
