@@ -81,6 +81,34 @@ def _or_none(check: Check) -> Check:
     return lambda v: v is None or check(v)
 
 
+MAX_PARALLEL = 256  # streams in one run: LoadConfig.parallel's bound
+_STREAM: dict[str, tuple[Check, str]] = {
+    "tokens": (_count, "a whole number >= 0"),
+    "ttft_s": (_figure, "a number >= 0"),
+    "decode_tok_s": (_figure, "a number >= 0"),
+}
+
+
+def _parallel(v: Any) -> bool:
+    return _positive(v) and v <= MAX_PARALLEL
+
+
+def _parallel_list(v: Any) -> bool:
+    return isinstance(v, list) and len(v) <= MAX_PARALLEL and all(map(_parallel, v))
+
+
+def _streams(v: Any) -> bool:
+    """Each stream of a parallel run: its tokens, TTFT and decode rate."""
+    return (
+        isinstance(v, list)
+        and len(v) <= MAX_PARALLEL
+        and all(
+            isinstance(s, dict) and all(k in s and c(s[k]) for k, (c, _) in _STREAM.items())
+            for s in v
+        )
+    )
+
+
 # field -> (check, what it must be); required fields first
 _RUN_REQUIRED: dict[str, tuple[Check, str]] = {
     "tokens": (_count, "a whole number >= 0"),
@@ -98,6 +126,14 @@ _RUN_OPTIONAL: dict[str, tuple[Check, str]] = {
     "prompt_ids": (_token_ids, "a list of token ids"),
     "ban_ids": (_token_ids, "a list of token ids"),
     "engine_stats": (_figures, "an object of numbers"),
+    # a run of many streams at once (--parallel)
+    "parallel": (_parallel, f"a whole number from 1 to {MAX_PARALLEL}"),
+    "ttft_p50_s": (_figure, "a number >= 0"),
+    "ttft_p95_s": (_figure, "a number >= 0"),
+    "steady_decode_tok_s": (_figure, "a number >= 0"),
+    "per_stream_decode_tok_s": (_figure, "a number >= 0"),
+    "join_ttft_s": (_figure, "a number >= 0"),
+    "streams": (_streams, "a list of streams, each with tokens, ttft_s and decode_tok_s"),
 }
 _ROW: dict[str, tuple[Check, str]] = {
     "model": (_text, "a printable string"),
@@ -108,11 +144,17 @@ _ROW: dict[str, tuple[Check, str]] = {
     "prompt_tokens": (_positive, "a whole number >= 1"),
     "new_tokens": (_positive, "a whole number >= 1"),
 }
+_ROW_OPTIONAL: dict[str, tuple[Check, str]] = {
+    "parallel": (_or_none(_parallel), f"a whole number from 1 to {MAX_PARALLEL} or null"),
+}
 _SETTINGS: dict[str, tuple[Check, str]] = {
     "repetitions": (_positive, "a whole number >= 1"),
     "warmup": (_count, "a whole number >= 0"),
     "new_tokens": (_positive, "a whole number >= 1"),
     "context_length": (_or_none(_positive), "a whole number or null"),
+}
+_SETTINGS_OPTIONAL: dict[str, tuple[Check, str]] = {
+    "parallel": (_parallel_list, f"a list of whole numbers from 1 to {MAX_PARALLEL}"),
 }
 
 _MACHINE: dict[str, tuple[Check, str]] = {  # what the caption prints
@@ -169,15 +211,30 @@ def _object(data: Any, where: str) -> dict[str, Any]:
     return data
 
 
-def check_run(data: Any, where: str = "", *, needs_ids: bool = False) -> dict[str, Any]:
+def check_run(
+    data: Any, where: str = "", *, needs_ids: bool = False, parallel: int | None = None
+) -> dict[str, Any]:
     """One run's figures, every field checked; BenchResultError names the first bad one.
-    ``needs_ids``: edgeinfer's own run, whose prompt and banned ids the peers then run."""
+    ``needs_ids``: edgeinfer's own run, whose prompt and banned ids the peers then run.
+    ``parallel``: a run of that many streams at once, whose figures must all be there."""
     run = _object(data, where)
     _fields(run, _RUN_REQUIRED, where)
     _fields(run, _RUN_OPTIONAL, where, required=False)
     if needs_ids:
         _fields(run, {k: _RUN_OPTIONAL[k] for k in ("prompt_ids", "ban_ids")}, where)
+    if parallel is not None:
+        _fields(run, {k: _RUN_OPTIONAL[k] for k in _PARALLEL_FIGURES}, where)
+        prefix = f"{where}." if where else ""
+        if run["parallel"] != parallel or len(run["streams"]) != parallel:
+            raise BenchResultError(
+                f"{prefix}parallel must be the run's {parallel} streams, not "
+                f"{_described(run['parallel'])} with {len(run['streams'])} streams"
+            )
     return run
+
+
+_PARALLEL_FIGURES = ("parallel", "ttft_p50_s", "ttft_p95_s", "steady_decode_tok_s",
+                     "per_stream_decode_tok_s", "join_ttft_s", "streams")  # fmt: skip
 
 
 def check_error(data: dict[str, Any]) -> tuple[str, str]:
@@ -211,13 +268,15 @@ def _check_report(data: Any) -> dict[str, Any]:
     report = _object(data, "")
     _fields(report, _REPORT, "")
     _fields(report["settings"], _SETTINGS, "settings")
+    _fields(report["settings"], _SETTINGS_OPTIONAL, "settings", required=False)
     _fields(report["machine"], _MACHINE, "machine", required=False)
     for i, row in enumerate(report["results"]):
         where = f"results[{i}]"
         _fields(_object(row, where), _ROW, where)
+        _fields(row, _ROW_OPTIONAL, where, required=False)
         runs = row.get("runs")
         if not isinstance(runs, list) or not runs:
             raise BenchResultError(f"{where}.runs must be a non-empty list of runs")
         for j, run in enumerate(runs):
-            check_run(run, f"{where}.runs[{j}]")
+            check_run(run, f"{where}.runs[{j}]", parallel=row.get("parallel"))
     return report

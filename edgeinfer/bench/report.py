@@ -25,6 +25,14 @@ FIGURES = {
     "ttft_ms": ("ttft_s", 1000.0),
     "peak_rss_mb": ("peak_rss_bytes", 1 / MB),
 }
+# and in the rows of many streams at once (--parallel); tg_tok_s is then the aggregate
+PARALLEL_FIGURES = {
+    "steady_tg_tok_s": ("steady_decode_tok_s", 1.0),
+    "stream_tg_tok_s": ("per_stream_decode_tok_s", 1.0),
+    "ttft_p50_ms": ("ttft_p50_s", 1000.0),
+    "ttft_p95_ms": ("ttft_p95_s", 1000.0),
+    "join_ttft_ms": ("join_ttft_s", 1000.0),
+}
 
 _ROW_KEYS = ("model", "model_path", "engine", "engine_model", "threads", "prompt_tokens",
              "new_tokens")  # fmt: skip
@@ -55,14 +63,22 @@ class Row:
     prompt_tokens: int
     new_tokens: int
     runs: list[dict[str, Any]] = field(default_factory=list)
+    parallel: int | None = None  # streams at once (--parallel); None: the one-stream run
 
     @property
-    def key(self) -> tuple[str, int, int]:
-        return (self.model, self.threads, self.prompt_tokens)
+    def key(self) -> tuple[str, int, int, int | None]:
+        return (self.model, self.threads, self.prompt_tokens, self.parallel)
 
     def figure(self, name: str) -> dict[str, float]:
-        source, scale = FIGURES[name]
+        source, scale = FIGURES.get(name) or PARALLEL_FIGURES[name]
         return summarize([float(r[source]) * scale for r in self.runs])
+
+    def pooled_ttft_ms(self) -> dict[str, float]:
+        """p50 and p95 of every stream's TTFT over all runs of a parallel row."""
+        ttfts = [
+            1000.0 * s["ttft_s"] for r in self.runs for s in r.get("streams", ()) if s["tokens"]
+        ]
+        return {"p50": _quantile(ttfts, 0.5), "p95": _quantile(ttfts, 0.95)}
 
     def last(self, key: str) -> Any:
         return self.runs[-1].get(key) if self.runs else None
@@ -89,17 +105,21 @@ class BenchReport:
         threads: int,
         prompt_tokens: int,
         new_tokens: int,
+        parallel: int | None = None,
     ) -> Row:
+        wanted = (model, engine, engine_model, threads, prompt_tokens, parallel)
         for r in self.rows:
-            if (r.model, r.engine, r.engine_model, r.threads, r.prompt_tokens) == (
-                model,
-                engine,
-                engine_model,
-                threads,
-                prompt_tokens,
-            ):
+            if (
+                r.model,
+                r.engine,
+                r.engine_model,
+                r.threads,
+                r.prompt_tokens,
+                r.parallel,
+            ) == wanted:
                 return r
-        made = Row(model, model_path, engine, engine_model, threads, prompt_tokens, new_tokens)
+        made = Row(model, model_path, engine, engine_model, threads, prompt_tokens, new_tokens,
+                   parallel=parallel)  # fmt: skip
         self.rows.append(made)
         return made
 
@@ -116,6 +136,23 @@ class BenchReport:
         ours = base.figure(figure)["mean"]
         theirs = row.figure(figure)["mean"]
         ratio = theirs / ours if ours > 0 else math.inf
+        return ratio if math.isfinite(ratio) else None
+
+    def one_stream(self, row: Row, figure: str) -> float | None:
+        """A parallel row's mean over the same engine's mean with one stream (--parallel 1)."""
+        base = next(
+            (
+                r
+                for r in self.measured()
+                if (r.engine, r.engine_model, r.parallel) == (row.engine, row.engine_model, 1)
+                and r.key[:3] == row.key[:3]
+            ),
+            None,
+        )
+        if base is None or row.parallel is None:
+            return None
+        ours = base.figure(figure)["mean"]
+        ratio = row.figure(figure)["mean"] / ours if ours > 0 else math.inf
         return ratio if math.isfinite(ratio) else None
 
     # -- JSON -------------------------------------------------------------------------------
@@ -155,9 +192,23 @@ class BenchReport:
                 "pp_tok_s": self.ratio(r, "pp_tok_s"),
                 "tg_tok_s": self.ratio(r, "tg_tok_s"),
             },
+            **(self._parallel_dict(r) if r.parallel is not None else {}),
             "runs": [
                 {k: v for k, v in x.items() if k not in ("prompt_ids", "ban_ids")} for x in r.runs
             ],
+        }
+
+    def _parallel_dict(self, r: Row) -> dict[str, Any]:
+        """A parallel row's own figures: tg_tok_s is the aggregate of its streams."""
+        return {
+            "parallel": r.parallel,
+            **{name: r.figure(name) for name in PARALLEL_FIGURES},
+            "ttft_pooled_ms": r.pooled_ttft_ms(),
+            "ratio_to_one_stream": {
+                "tg_tok_s": self.one_stream(r, "tg_tok_s"),
+                "steady_tg_tok_s": self.one_stream(r, "steady_tg_tok_s"),
+                "join_ttft_ms": self.one_stream(r, "join_ttft_ms"),
+            },
         }
 
     @classmethod
@@ -181,18 +232,47 @@ class BenchReport:
             interrupted=data["interrupted"],
         )
         for r in data["results"]:
-            row = Row(*(r[key] for key in _ROW_KEYS), runs=[dict(x) for x in r["runs"]])
+            row = Row(*(r[key] for key in _ROW_KEYS), runs=[dict(x) for x in r["runs"]],
+                      parallel=r.get("parallel"))  # fmt: skip
             report.rows.append(row)
         return report
 
     # -- tables -----------------------------------------------------------------------------
 
     def table(self, markdown: bool = False) -> str:
-        body = [self._cells(r) for r in self.measured()]
-        if not body:
+        rows = self.measured()
+        single = [self._cells(r) for r in rows if r.parallel is None]
+        many = [self._parallel_cells(r) for r in rows if r.parallel is not None]
+        if not single and not many:
             return "(nothing measured)\n"
-        lines = _markdown(_HEADER, body) if markdown else _boxed(_HEADER, body)
-        return "\n".join(lines) + "\n"
+        tables = []
+        for header, body in ((_HEADER, single), (_PARALLEL_HEADER, many)):
+            if body:
+                lines = _markdown(header, body) if markdown else _boxed(header, body)
+                tables.append("\n".join(lines) + "\n")
+        return "\n".join(tables)
+
+    def _parallel_cells(self, r: Row) -> list[str]:
+        """One row of the parallel table, in the order of _PARALLEL_HEADER."""
+        ratios = [self.one_stream(r, "tg_tok_s"), self.one_stream(r, "join_ttft_ms"),
+                  self.ratio(r, "tg_tok_s")]  # fmt: skip
+        pooled = r.pooled_ttft_ms()
+        return [
+            r.model,
+            r.engine,
+            str(r.last("provider") or ""),
+            str(r.threads),
+            f"pp{r.prompt_tokens}+tg{r.new_tokens}",
+            str(r.parallel),
+            _pm(r.figure("tg_tok_s"), 1),
+            _pm(r.figure("steady_tg_tok_s"), 1),
+            _pm(r.figure("stream_tg_tok_s"), 1),
+            f"{pooled['p50']:.1f}",
+            f"{pooled['p95']:.1f}",
+            _pm(r.figure("join_ttft_ms"), 1),
+            f"{r.figure('peak_rss_mb')['max']:.1f}",
+            *(f"{x:.2f}" if x is not None else "-" for x in ratios),
+        ]
 
     def _cells(self, r: Row) -> list[str]:
         """One row of the table, in the order of _HEADER."""
@@ -258,7 +338,11 @@ class BenchReport:
 
 _HEADER = ["model", "engine", "provider", "threads", "test", "pp t/s", "tg t/s", "TTFT ms",
            "peak RSS MB", "plan MB", "tg vs edgeinfer"]  # fmt: skip
-_RIGHT = {3, 5, 6, 7, 8, 9, 10}  # the columns of numbers, right-aligned
+_PARALLEL_HEADER = ["model", "engine", "provider", "threads", "test", "streams",
+                    "tg t/s (all)", "tg t/s (all decoding)", "tg t/s per stream",
+                    "TTFT p50 ms", "TTFT p95 ms", "join TTFT ms", "peak RSS MB",
+                    "tg vs 1 stream", "join TTFT vs alone", "tg vs edgeinfer"]  # fmt: skip
+_RIGHT = {3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}  # the columns of numbers, right-aligned
 _PALETTE = ["#3b7dd8", "#d8873b", "#4aa35a", "#a34a9b", "#7f7f7f"]  # one colour per engine
 
 
@@ -350,6 +434,17 @@ def plot_missing_message() -> str:
         "--plot needs matplotlib, which is not installed: pip install 'edgeinfer[bench]' "
         "(or pip install matplotlib)"
     )
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values``, interpolated between nearest ranks; nan if none."""
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    pos = q * (len(ordered) - 1)
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def _pm(s: dict[str, float], digits: int) -> str:

@@ -28,6 +28,7 @@ from ..errors import (
 )
 from .peers import Peer, peers_for
 from .records import (
+    MAX_PARALLEL,
     MAX_RESULT_LINE_BYTES,
     BenchResultError,
     check_error,
@@ -36,7 +37,7 @@ from .records import (
     parse_result_line,
 )
 from .report import BenchReport
-from .worker import RESULT_MARK
+from .worker import PARALLEL_ENGINES, RESULT_MARK
 
 __all__ = ["BenchSettings", "run_bench"]
 
@@ -81,6 +82,7 @@ class BenchSettings:
     compare: bool = False
     peer_models: tuple[str, ...] = ()
     timeout_s: float = DEFAULT_RUN_TIMEOUT_S  # per run; a peer that takes longer is left out
+    parallel: tuple[int, ...] = ()  # streams at once (--parallel); () = the one-stream run
 
     def checked(self) -> BenchSettings:
         """These settings with defaults filled in; InvalidRequestError names a bad one."""
@@ -111,6 +113,7 @@ class BenchSettings:
             context_length=context,
             peer_models=tuple(self.peer_models),
             timeout_s=_timeout(self.timeout_s),
+            parallel=_parallel_axis(self.parallel),
         )
 
     def _context_length(self) -> int:
@@ -134,6 +137,21 @@ def _threads(threads: tuple[int, ...]) -> tuple[int, ...]:
     if max(threads) > MAX_THREADS:
         raise InvalidRequestError(f"--threads {max(threads)} is invalid: at most {MAX_THREADS}")
     return tuple(threads)
+
+
+def _parallel_axis(values: tuple[int, ...]) -> tuple[int, ...]:
+    """The stream counts asked for (--parallel), each once, from 1 to MAX_PARALLEL."""
+    values = tuple(values)
+    if not values:
+        return ()
+    _positive_list("--parallel", values)
+    if max(values) > MAX_PARALLEL:
+        raise InvalidRequestError(
+            f"--parallel {max(values)} is invalid: at most {MAX_PARALLEL} streams at once"
+        )
+    if len(set(values)) != len(values):
+        raise InvalidRequestError(f"--parallel names {values} twice: give each count once")
+    return values
 
 
 def _timeout(timeout: object) -> float:
@@ -231,7 +249,7 @@ def run_in_fresh_process(spec: dict[str, Any], worker: tuple[str, ...] = ()) -> 
             ) from None
         finally:  # Ctrl-C or a timeout: the run is abandoned; always: nothing left behind
             _kill_group(proc)
-        return _result(spec.get("engine"), proc.returncode, _tail(out, _TAIL_BYTES), err)
+        return _result(spec, proc.returncode, _tail(out, _TAIL_BYTES), err)
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -255,7 +273,7 @@ def _tail(file: Any, size: int) -> bytes:
     return data if end <= size else data.partition(b"\n")[2]  # from the first whole line
 
 
-def _result(engine: Any, returncode: int, out: bytes, err: Any) -> dict[str, Any]:
+def _result(spec: dict[str, Any], returncode: int, out: bytes, err: Any) -> dict[str, Any]:
     mark = RESULT_MARK.encode("utf-8")
     for line in reversed(out.split(b"\n")):
         if not line.startswith(mark):
@@ -267,7 +285,9 @@ def _result(engine: Any, returncode: int, out: bytes, err: Any) -> dict[str, Any
         try:
             if "error" in record:
                 raise RunFailed(*check_error(record))
-            return check_run(record, needs_ids=engine == "edgeinfer")
+            return check_run(
+                record, needs_ids=spec.get("engine") == "edgeinfer", parallel=spec.get("parallel")
+            )
         except BenchResultError as exc:
             raise RunFailed("BenchResultError", f"its result line is damaged: {exc}") from None
     tail = one_line(" | ".join(_tail(err, 4096).decode("utf-8", "replace").splitlines()[-3:]))
@@ -291,7 +311,8 @@ class _Bench:
 
     @property
     def per_model(self) -> int:
-        return len(self.settings.threads) * len(self.settings.prompt_tokens) * self.rounds
+        s = self.settings
+        return len(s.threads) * len(s.prompt_tokens) * len(s.parallel or (0,)) * self.rounds
 
     @property
     def total(self) -> int:
@@ -307,6 +328,7 @@ class _Run:
     prompt_tokens: int
     round: int  # from 0; the warm-up rounds come first
     step: int  # from 1, over the whole benchmark
+    parallel: int | None = None  # streams at once; None: the one-stream run
 
 
 def run_bench(
@@ -362,9 +384,10 @@ def _bench_model(bench: _Bench, index: int, model: str) -> None:
     source = resolve(model)  # a name or path that is no model fails here, in one line
     peers = _peers(bench, source)
     failed: set[Peer] = set()
-    configurations = product(s.threads, s.prompt_tokens, range(bench.rounds))
-    for i, (threads, n_prompt, rep) in enumerate(configurations):
-        run = _Run(source, threads, n_prompt, rep, step=index * bench.per_model + i + 1)
+    configurations = product(s.threads, s.prompt_tokens, s.parallel or (None,), range(bench.rounds))
+    for i, (threads, n_prompt, streams, rep) in enumerate(configurations):
+        step = index * bench.per_model + i + 1
+        run = _Run(source, threads, n_prompt, rep, step=step, parallel=streams)
         ours = _run_edgeinfer(bench, run)
         # peers run what edgeinfer ran: its prompt ids, banned ids, device, context
         handed = {key: ours.get(key) for key in _HANDED}
@@ -381,6 +404,10 @@ def _peers(bench: _Bench, source: Any) -> list[Peer]:
     if not bench.settings.compare:
         return []
     peers, skipped = peers_for(source.path, source.format, bench.settings.peer_models)
+    if bench.settings.parallel:  # only the peers that batch run many streams at once
+        skipped += [f"skipping {p.engine} at --parallel: it runs one sequence at a time"
+                    for p in peers if p.engine not in PARALLEL_ENGINES]  # fmt: skip
+        peers = [p for p in peers if p.engine in PARALLEL_ENGINES]
     for line in skipped:
         bench.progress.say(line)
         bench.report.notes.append(line)
@@ -420,7 +447,8 @@ def _keep(bench: _Bench, run: _Run, engine: str, engine_model: str, record: dict
     if run.round < bench.settings.warmup:
         return
     row = bench.report.row(run.source.name, str(run.source.path), engine, engine_model,
-                           run.threads, run.prompt_tokens, bench.settings.new_tokens)  # fmt: skip
+                           run.threads, run.prompt_tokens, bench.settings.new_tokens,
+                           parallel=run.parallel)  # fmt: skip
     row.runs.append(record)
 
 
@@ -428,6 +456,7 @@ def _spec(bench: _Bench, run: _Run) -> dict[str, Any]:
     """What every engine is asked in this round (the worker's input, less engine and model)."""
     s = bench.settings
     return {
+        **({"parallel": run.parallel} if run.parallel is not None else {}),
         "prompt_tokens": run.prompt_tokens,
         "new_tokens": s.new_tokens,
         "threads": run.threads,
@@ -448,4 +477,5 @@ def _label(bench: _Bench, run: _Run) -> str:
 def _where(bench: _Bench, run: _Run) -> str:
     s = bench.settings
     test = f"pp{run.prompt_tokens}+tg{s.new_tokens} t{run.threads}"
+    test += f" x{run.parallel}" if run.parallel is not None else ""
     return f"bench [{run.step}/{bench.total}] {run.source.name} {test}"

@@ -20,6 +20,7 @@ from typing import Any
 from ..errors import EdgeInferError
 from ..rss import peak_rss
 from .peers import policy_llama
+from .streams import run_edgeinfer_parallel, run_genai_engine
 from .workload import end_of_generation_ids, prompt_ids
 
 RESULT_MARK = "edgeinfer-bench-result "
@@ -211,6 +212,11 @@ ENGINES: dict[str, Callable[[Spec], dict[str, Any]]] = {
     "optimum": run_optimum,
     "onnxruntime-genai": run_onnxruntime_genai,
 }
+# with --parallel: the engines that run many streams at once (a spec with "parallel")
+PARALLEL_ENGINES: dict[str, Callable[[Spec], dict[str, Any]]] = {
+    "edgeinfer": run_edgeinfer_parallel,
+    "onnxruntime-genai": run_genai_engine,
+}
 
 
 def emit(record: dict[str, Any]) -> None:
@@ -223,7 +229,8 @@ def main() -> int:
     logging.basicConfig(level=logging.ERROR)
     spec = json.loads(sys.stdin.read())
     try:
-        result = ENGINES[spec["engine"]](spec)
+        engines = PARALLEL_ENGINES if spec.get("parallel") else ENGINES
+        result = engines[spec["engine"]](spec)
     except EdgeInferError as exc:
         emit({"error": {"type": type(exc).__name__, "message": str(exc)}})
         return 1

@@ -17,15 +17,21 @@ PROMPT_TEXT = (
 )
 
 
-def prompt_ids(model: Any, n: int) -> list[int]:
+VARIANT_SHIFT = 11  # tokens of the text skipped per variant: each stream's prompt differs
+
+
+def prompt_ids(model: Any, n: int, variant: int = 0) -> list[int]:
     """``n`` prompt token ids for ``model`` (an ``edgeinfer.Model``): BOS if the model adds
-    one, then the tokens of ``PROMPT_TEXT`` repeated."""
+    one, then the tokens of ``PROMPT_TEXT`` repeated. ``variant`` k > 0 starts the text
+    ``k * VARIANT_SHIFT`` tokens later: the same kind of prompt, of the same length, with
+    other tokens (one per stream of a parallel run)."""
     head = model.tokenize("", add_special=True, parse_special=False)
     body = model.tokenize(PROMPT_TEXT, add_special=False, parse_special=False)
     ids = list(head)
-    while len(ids) < n:
+    skip = (variant * VARIANT_SHIFT) % len(body) if body else 0
+    while len(ids) < n + skip:
         ids.extend(body)
-    return ids[:n]
+    return (ids[: len(head)] + ids[len(head) + skip :])[:n] if skip else ids[:n]
 
 
 def end_of_generation_ids(model: Any) -> list[int]:

@@ -24,7 +24,11 @@ _DESCRIPTION = (
     "the end-of-generation tokens banned so every run generates -n tokens. --compare runs "
     "the same workload through the peers installed here (llama-cpp-python for a GGUF, "
     "optimum for an ONNX folder with config.json, onnxruntime-genai for a folder its "
-    "builder made), interleaved round by round, with each row's ratio to edgeinfer."
+    "builder made), interleaved round by round, with each row's ratio to edgeinfer. "
+    "--parallel N[,N...] runs N streams at once on a model loaded with parallel=N instead "
+    "(aggregate and per-stream decode tokens/s, TTFT p50/p95, and the TTFT of a request "
+    "joining N-1 running streams); its peer is onnxruntime-genai's continuous-batching "
+    "og.Engine."
 )
 MAX_SAVED_BYTES = 256 * 2**20  # a saved result: its runs' figures, no prompts
 
@@ -47,7 +51,9 @@ def add_parser(sub: Any) -> None:
         "bench",
         help="measure speed and memory of models on this machine, beside the peers",
         description=_DESCRIPTION,
-        epilog="Example: edgeinfer bench smollm2-135m-instruct -p 128,512 -n 128 -r 5 --compare",
+        epilog="Example: edgeinfer bench smollm2-135m-instruct -p 128,512 -n 128 -r 5 --compare; "
+        "edgeinfer bench smollm2-135m-instruct -p 128 --parallel 1,2,4,8 --compare "
+        "--peer-model GENAI_FOLDER",
     )
     p.add_argument("models", nargs="*", metavar="MODEL", help=MODEL_HELP)
     _add_workload_flags(p)
@@ -87,6 +93,13 @@ def _add_workload_flags(p: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="runs before the measured ones, not counted (default: 1)",
+    )
+    p.add_argument(
+        "--parallel",
+        default=None,
+        metavar="N[,N...]",
+        help="streams at once, e.g. 1,2,4,8: each N loads the model with parallel=N and runs "
+        "N concurrent streams (default: one stream, the classic run)",
     )
     p.add_argument(
         "--threads",
@@ -227,6 +240,7 @@ def _measure(args: argparse.Namespace) -> BenchReport:
         compare=args.compare,
         peer_models=tuple(args.peer_model),
         timeout_s=args.timeout,
+        parallel=int_list("--parallel", args.parallel) if args.parallel is not None else (),
     )
     argv = sys.argv[1:]
     command = ["edgeinfer", *argv[argv.index("bench") :]] if "bench" in argv else []
