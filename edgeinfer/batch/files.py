@@ -189,7 +189,10 @@ def recover(path: Path) -> Counter[str]:
 
 def _record_key(raw: bytes, n: int, path: Path) -> str:
     what = f"{path} line {n}"
-    record = parse_json(raw, what=what, max_depth=_RECORD_DEPTH)
+    try:
+        record = parse_json(raw, what=what, max_depth=_RECORD_DEPTH)
+    except EdgeInferError:
+        record = None
     row_id = record.get("id") if isinstance(record, dict) else None
     if not isinstance(row_id, (str, int)) or isinstance(row_id, bool) or "error" not in record:
         raise InvalidRequestError(

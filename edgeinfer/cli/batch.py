@@ -4,6 +4,7 @@ Ray cluster), one record per row appended to OUT in input order; running it agai
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -105,10 +106,27 @@ def cmd_batch(args: argparse.Namespace) -> int:
     sampling = sampling_kwargs(args)
     options = _load_options(args, parallel)
     template = _template(args)
+    try:
+        summary = _run(args, options, template, sampling)
+    except KeyboardInterrupt:
+        # the job left its output resumable; the process is on its way out, and a late
+        # Ctrl-C (a second press after the rows in flight ended) must not cut the exit short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise
+    _report(summary)
+    return 0
+
+
+def _run(
+    args: argparse.Namespace,
+    options: dict[str, Any],
+    template: str | None,
+    sampling: dict[str, Any],
+) -> Any:
     if args.ray is not None:
         from ..batch.ray_job import run_ray_batch
 
-        summary = run_ray_batch(
+        return run_ray_batch(
             args.model,
             args.input,
             args.output,
@@ -119,10 +137,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             **sampling,
         )
-    else:
-        summary = _run_here(args, options, template, sampling)
-    _report(summary)
-    return 0
+    return _run_here(args, options, template, sampling)
 
 
 def _template(args: argparse.Namespace) -> str | None:
