@@ -3,6 +3,11 @@
 Our generator drives the loop: this module submits token batches with ``llama_decode`` and
 hands back a view of the last position's logits. It never calls llama-cpp-python's
 high-level ``Llama`` class.
+
+Slots: a context of ``n_seq_max = parallel`` sequences, slot ``s`` being llama.cpp sequence id
+``s``. The KV cache is split into one stream per sequence (``kv_unified`` off), each of
+``n_ctx`` cells: a slot attends to its own cells only, so its cost and its numbers do not
+depend on how long the other slots are, and a slot can never take another's room.
 """
 
 from __future__ import annotations
@@ -28,7 +33,14 @@ from edgeinfer.gguf_checks import check_gguf_model
 from edgeinfer.gguf_file import GGUFHeader
 from edgeinfer.policy import Candidate
 
-from .base import TokenizerBase, aligned_chunks, check_fits, is_marker, tokenizer_text
+from .base import (
+    TokenizerBase,
+    aligned_chunks,
+    check_fits,
+    check_slot,
+    is_marker,
+    tokenizer_text,
+)
 
 __all__ = ["LlamaCppBackend", "LlamaCppTokenizer", "engine", "engine_log_listener", "open_backend"]
 
@@ -158,7 +170,7 @@ class LlamaCppTokenizer(TokenizerBase):
 
 
 class LlamaCppBackend:
-    """One llama.cpp model and context; a single sequence whose KV cache holds n_ctx tokens."""
+    """One llama.cpp model and context holding ``n_slots`` sequences of up to n_ctx tokens."""
 
     def __init__(
         self, path: Path, config: LoadConfig, header: GGUFHeader, candidate: Candidate
@@ -168,15 +180,21 @@ class LlamaCppBackend:
         self._model: Any = None
         self._ctx: Any = None
         self._batch: Any = None
-        self._n_past = 0
+        self._n_slots = config.parallel
+        self._past = [0] * self._n_slots  # tokens in each slot's cache
         self._logits_view: tuple[int, np.ndarray] | None = None
+        self._rows_view: tuple[int, int, np.ndarray] | None = None
+        self._unified = bool(candidate.options.get("kv_unified", False))
         n_gpu_layers = int(candidate.options.get("n_gpu_layers", 0))
         self._model = self._load_model(path, n_gpu_layers, candidate)
         try:
             self._n_ctx = config.context_for(int(llama.llama_model_n_ctx_train(self._model)))
             self._threads = config.resolved_threads
             self._flash_attention = config.flash_attention
-            self._n_batch = min(self._n_ctx, config.batch_size or _MAX_BATCH)
+            # Prefill is cut into chunks of the planned batch; a decode step carries one token
+            # per slot, so the context takes at least n_slots tokens per llama_decode.
+            self._chunk = min(self._n_ctx, config.batch_size or _MAX_BATCH)
+            self._n_batch = max(self._chunk, self._n_slots)
             self._ctx = self._new_context()
             self._batch = llama.llama_batch_init(self._n_batch, 0, 1)
             self._memory = llama.llama_get_memory(self._ctx)
@@ -187,7 +205,7 @@ class LlamaCppBackend:
         except BaseException:
             self.close()
             raise
-        self._kv_nbytes = _kv_cache_bytes(header, self._n_ctx)
+        self._kv_nbytes = _kv_cache_bytes(header, self._n_ctx * self._n_slots)
         self._info = {
             "backend": "llama.cpp",
             "engine_version": getattr(llama, "__version__", "unknown"),
@@ -195,10 +213,18 @@ class LlamaCppBackend:
             "device": candidate.device,
             "n_gpu_layers": n_gpu_layers,
             "threads": self._threads,
-            "batch_size": self._n_batch,
+            "batch_size": self._chunk,
             "flash_attention": self._flash_attention,
+            "parallel": self._n_slots,
         }
-        logger.debug("llama.cpp context ready: n_ctx=%d threads=%d", self._n_ctx, self._threads)
+        if self._n_slots > 1:
+            self._info["kv_unified"] = self._unified
+        logger.debug(
+            "llama.cpp context ready: n_ctx=%d x %d slots, threads=%d",
+            self._n_ctx,
+            self._n_slots,
+            self._threads,
+        )
 
     def _load_model(self, path: Path, n_gpu_layers: int, candidate: Candidate) -> Any:
         provider = candidate.provider
@@ -222,10 +248,12 @@ class LlamaCppBackend:
 
     def _new_context(self) -> Any:
         params = self._llama.llama_context_default_params()
-        params.n_ctx = self._n_ctx
+        # Not unified, llama.cpp gives each sequence n_ctx / n_seq_max cells.
+        params.n_ctx = self._n_ctx * self._n_slots
         params.n_batch = self._n_batch
         params.n_ubatch = self._n_batch
-        params.n_seq_max = 1
+        params.n_seq_max = self._n_slots
+        params.kv_unified = self._unified
         params.n_threads = self._threads
         params.n_threads_batch = self._threads
         params.no_perf = True
@@ -240,8 +268,14 @@ class LlamaCppBackend:
         ctx = self._llama.llama_init_from_model(self._model, params)
         if not ctx:
             raise BackendUnavailableError(
-                f"llama.cpp could not create a context of {self._n_ctx} tokens (out of memory?); "
-                "try a smaller context_length"
+                f"llama.cpp could not create a context of {self._n_slots} x {self._n_ctx} tokens "
+                "(out of memory?); try a smaller context_length or parallel"
+            )
+        if self._llama.llama_n_ctx_seq(ctx) < self._n_ctx:
+            self._llama.llama_free(ctx)
+            raise BackendUnavailableError(
+                f"llama.cpp gave each sequence fewer than {self._n_ctx} tokens of cache; "
+                "try a smaller parallel"
             )
         return ctx
 
@@ -251,7 +285,14 @@ class LlamaCppBackend:
 
     @property
     def n_past(self) -> int:
-        return self._n_past
+        return self._past[0]
+
+    @property
+    def n_slots(self) -> int:
+        return self._n_slots
+
+    def slot_past(self, slot: int) -> int:
+        return self._past[check_slot(slot, self._n_slots)]
 
     @property
     def reuse_is_exact(self) -> bool:
@@ -268,43 +309,126 @@ class LlamaCppBackend:
     def info(self) -> dict[str, Any]:
         return dict(self._info)
 
-    def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
-        ids = check_fits(token_ids, self._n_past, self._n_ctx)
-        chunks = aligned_chunks(ids, self._n_past, self._n_batch)
+    def prefill(self, token_ids: Sequence[int], slot: int = 0) -> np.ndarray:
+        past = self._past[check_slot(slot, self._n_slots)]
+        ids = check_fits(token_ids, past, self._n_ctx)
+        chunks = aligned_chunks(ids, past, self._chunk)
         for i, chunk in enumerate(chunks):
-            self._submit(chunk, want_logits=i == len(chunks) - 1)
+            self._submit(chunk, slot, want_logits=i == len(chunks) - 1)
         return self._last_logits()
 
-    def decode(self, token_id: int) -> np.ndarray:
-        self._submit(check_fits([token_id], self._n_past, self._n_ctx), want_logits=True)
+    def decode(self, token_id: int, slot: int = 0) -> np.ndarray:
+        past = self._past[check_slot(slot, self._n_slots)]
+        self._submit(check_fits([token_id], past, self._n_ctx), slot, want_logits=True)
         return self._last_logits()
 
-    def rewind(self, n: int) -> None:
-        if not 0 <= n <= self._n_past:
-            raise InvalidRequestError(f"cannot rewind to {n}: the cache holds {self._n_past}")
+    def rewind(self, n: int, slot: int = 0) -> None:
+        past = self._past[check_slot(slot, self._n_slots)]
+        if not 0 <= n <= past:
+            raise InvalidRequestError(f"cannot rewind to {n!r}: slot {slot} holds {past}")
         self._require_open()
-        # Remove positions [n, inf), not [n, n_past): after an interrupted decode the cache
-        # may hold an entry past n_past.
-        self._llama.llama_memory_seq_rm(self._memory, 0, n, -1)
-        self._n_past = n
+        # Remove positions [n, inf), not [n, past): after an interrupted decode the cache
+        # may hold an entry past the count.
+        self._llama.llama_memory_seq_rm(self._memory, slot, n, -1)
+        self._past[slot] = n
 
-    def _submit(self, ids: list[int], *, want_logits: bool) -> None:
+    def decode_many(self, steps: Sequence[tuple[int, int]]) -> np.ndarray:
+        slots, tokens = self._check_steps(steps)
+        self._require_open()
+        # llama.cpp runs one ubatch per run of consecutive sequence ids in batch order (its
+        # KV streams are split that way), so rows go in slot order and gaps get fillers.
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        wanted = {slots[i]: tokens[i] for i in order}
+        fillers = self._fillers(sorted(wanted))
+        self._fill_step(wanted, fillers)
+        self._run_batch([*slots, *fillers])
+        for slot in fillers:  # a filler's entry goes; its slot is as it was
+            self._llama.llama_memory_seq_rm(self._memory, slot, self._past[slot], -1)
+        for slot in slots:
+            self._past[slot] += 1
+        rows = self._rows(len(slots))  # [k, vocab], in slot order
+        if order == list(range(len(order))):
+            return rows
+        return rows[np.argsort(order)]
+
+    def _fillers(self, slots: list[int]) -> list[int]:
+        """Slots between the first and last of ``slots`` (sorted) that are not in the step and
+        have room: one token each there makes the step one run of consecutive sequences, one
+        forward pass. None when they would outnumber the step's own tokens."""
+        present = set(slots)
+        gaps = [g for g in range(slots[0], slots[-1] + 1) if g not in present]
+        if len(gaps) > len(slots):
+            return []
+        return [g for g in gaps if self._past[g] < self._n_ctx]
+
+    def _fill_step(self, wanted: dict[int, int], fillers: list[int]) -> None:
+        """The batch of one step: ``wanted`` {slot: token} with logits, ``fillers`` without,
+        in slot order."""
+        batch = self._batch
+        rows = sorted([*wanted, *fillers])
+        batch.n_tokens = len(rows)
+        for i, slot in enumerate(rows):
+            batch.token[i] = wanted.get(slot, 0)
+            batch.pos[i] = self._past[slot]
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = slot
+            batch.logits[i] = 1 if slot in wanted else 0
+
+    def _check_steps(self, steps: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
+        """(slots, tokens) of ``steps`` if they name distinct slots that each have room."""
+        try:
+            pairs = [(slot, int(token)) for slot, token in steps]
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(
+                "decode_many takes (slot, token id) pairs, one per slot"
+            ) from exc
+        if not pairs:
+            raise InvalidRequestError("decode_many needs at least one (slot, token id) pair")
+        slots = [check_slot(slot, self._n_slots) for slot, _ in pairs]
+        if len(set(slots)) != len(slots):
+            raise InvalidRequestError(f"decode_many names a slot twice: {slots}")
+        for slot in slots:
+            if self._past[slot] >= self._n_ctx:
+                raise InvalidRequestError(
+                    f"slot {slot} holds {self._n_ctx} tokens, its whole context; it is full"
+                )
+        return slots, [token for _, token in pairs]
+
+    def _submit(self, ids: list[int], slot: int, *, want_logits: bool) -> None:
         self._require_open()
         batch = self._batch
         n = len(ids)
+        past = self._past[slot]
         batch.n_tokens = n
         for i, token in enumerate(ids):
             batch.token[i] = token
-            batch.pos[i] = self._n_past + i
+            batch.pos[i] = past + i
             batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = 0
+            batch.seq_id[i][0] = slot
             batch.logits[i] = 0
         batch.logits[n - 1] = 1 if want_logits else 0
-        rc = self._llama.llama_decode(self._ctx, batch)
+        self._run_batch((slot,))
+        self._past[slot] += n
+
+    def _run_batch(self, slots: Sequence[int]) -> None:
+        """``llama_decode`` the filled batch; on failure, drop what it wrote to ``slots``."""
+        rc = self._llama.llama_decode(self._ctx, self._batch)
         if rc != 0:
-            self._llama.llama_memory_seq_rm(self._memory, 0, self._n_past, -1)
+            for slot in slots:
+                self._llama.llama_memory_seq_rm(self._memory, slot, self._past[slot], -1)
             raise BackendUnavailableError(f"llama.cpp failed to decode a batch (code {rc})")
-        self._n_past += n
+
+    def _rows(self, k: int) -> np.ndarray:
+        """The logits of the last batch's k outputs, in batch order: a view [k, vocab]."""
+        ptr = self._llama.llama_get_logits(self._ctx)
+        address = ctypes.cast(ptr, ctypes.c_void_p).value or 0
+        if not address:
+            raise BackendUnavailableError("llama.cpp returned no logits")
+        if self._rows_view is None or self._rows_view[:2] != (address, k):
+            view = np.ctypeslib.as_array(ptr, shape=(k, self._n_vocab))  # [k, vocab] float32
+            view.flags.writeable = False
+            self._rows_view = (address, k, view)
+        return self._rows_view[2]
 
     def _last_logits(self) -> np.ndarray:
         ptr = self._llama.llama_get_logits_ith(self._ctx, -1)
@@ -335,6 +459,7 @@ class LlamaCppBackend:
             llama.llama_model_free(self._model)
             self._model = None
         self._logits_view = None
+        self._rows_view = None
 
     def __del__(self) -> None:
         try:
