@@ -1,5 +1,5 @@
-"""``load()``: resolve what the user named to a model file (``model_source.py``), plan its
-memory, pick its backend, open it.
+"""``load()``: resolve what the user named to a model file (``model_source.py``), choose its
+route (``routes.py``), plan its memory for its sequence slots, pick its backend, open it.
 
 A catalog GGUF that runs on ONNX Runtime is transcoded once into an ONNX folder by the native
 builder (``converters/onnx/folder.py``, which never imports this module back). The backend
@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 from . import catalog
 from .config import LoadConfig
-from .errors import BackendUnavailableError, InvalidRequestError, ModelLoadError
+from .errors import BackendUnavailableError, EdgeInferError, InvalidRequestError, ModelLoadError
 from .inventory import devices
 from .manifest import MANIFEST_NAME, PARTIAL_MARKER, Manifest
-from .memory import FitAtLoad, plan_memory
+from .memory import FitAtLoad, check_parallel, plan_memory
 from .model import Model
 from .model_shape import shape_of
 from .model_source import ModelSource, resolve
 from .policy import normalise_device, plan_providers
+from .routes import Route, check_engine, choose_route
 from .runtimes import open_backend
 
 if TYPE_CHECKING:
@@ -45,6 +46,8 @@ def load(
     flash_attention: bool = False,
     allow_fallback: bool = False,
     context_overflow: str = "stop",
+    parallel: int | str = 1,
+    engine: str = "auto",
 ) -> Model:
     """Open a model for generation.
 
@@ -55,30 +58,48 @@ def load(
     ``BackendUnavailableError`` unless ``allow_fallback=True``. ``model.info["fallback_chain"]``
     says what was chosen and why.
 
+    ``parallel`` is how many sequences the model generates at once (sequence slots sharing
+    the weights, each with its own KV cache of ``context_length`` tokens): requests from many
+    threads, ``model.generate_many`` and ``edgeinfer serve`` batch up to that many in one
+    forward pass. An integer from 1 (the default: one at a time) to 256, or "auto": the most
+    slots, up to 8, that the memory budget holds with at least 2048 tokens of context each
+    (or ``context_length`` if given); ``model.parallel`` says what was chosen.
+
+    ``engine`` picks what runs a GGUF: "auto" (the rule below), "llama.cpp" (the file, always)
+    or "onnxruntime" (its exact ONNX transcode; catalog names only). With "auto" a catalog
+    GGUF runs on llama.cpp, except through its exact ONNX transcode (the same blocks, built
+    once) when llama.cpp is not installed, when the device is one only ONNX Runtime drives,
+    or when ``parallel > 1`` on the CPU with onnxruntime and onnx installed: that graph
+    batches about 2x better on a CPU than llama.cpp does. A GGUF named by its path runs on
+    llama.cpp. ``model.info["route"]`` says which route was taken and why.
+
     Memory is planned before anything is allocated (``model.info["memory_plan"]``):
     ``memory_budget`` (bytes or "512MB", "1.5GiB"; default: what the process uses now plus
     half of the RAM available now) bounds the process's peak resident memory.
-    ``context_length=None`` takes the largest context that fits, capped by the model's
-    trained context; a context or budget that cannot fit raises ``MemoryBudgetError`` with the
-    numbers. When a reply fills the context it ends with ``finish_reason="length"``;
-    ``context_overflow="slide"`` keeps the system prompt and the newer half of the
-    conversation instead, and goes on. ``flash_attention=True`` trades bit-exact agreement
-    with llama.cpp's defaults for speed on GGUF models.
+    ``context_length=None`` takes the largest context that fits in each slot, capped by the
+    model's trained context; a context, number of slots or budget that cannot fit raises
+    ``MemoryBudgetError`` naming the parts (weights, KV cache per slot, activations, runtime
+    overhead) and what would fit. When a reply fills the context it ends with
+    ``finish_reason="length"``; ``context_overflow="slide"`` keeps the system prompt and the
+    newer half of the conversation instead, and goes on. ``flash_attention=True`` trades
+    bit-exact agreement with llama.cpp's defaults for speed on GGUF models.
     """
     _check_options(context_overflow, allow_fallback)
+    check_engine(engine)
+    if parallel != "auto":
+        parallel = check_parallel(parallel)
     config = LoadConfig(
         device=device,
         context_length=context_length,
         threads=threads,
         flash_attention=flash_attention,
     )
-    source = resolve(model)
-    if runs_as_onnx(model, source, device):
-        source = transcoded_catalog_model(source)
-    config = _fitted(source, config, memory_budget)
+    named = resolve(model)
+    source, route, config = _routed(model, named, config, memory_budget, parallel, engine)
     backend, chain = _open(source, config, allow_fallback)
     memory_plan = config.fit_context.plan
     logger.info("%s memory plan: %s", source.name, memory_plan.describe())
+    logger.info("%s route: %s", source.name, route.why)
     return Model(
         backend,
         name=source.name,
@@ -87,7 +108,31 @@ def load(
         provider_chain=chain,
         memory_plan=memory_plan,
         context_overflow=context_overflow,
+        route=route.to_dict(),
     )
+
+
+def _routed(
+    model: str | PathLike[str],
+    named: ModelSource,
+    config: LoadConfig,
+    budget: int | str | None,
+    parallel: int | str,
+    engine: str,
+) -> tuple[ModelSource, Route, LoadConfig]:
+    """The source to open (the named one or its ONNX transcode), the route that chose it,
+    and ``config`` fitted to the memory plan for its slots. ``parallel="auto"`` takes the
+    route of many slots; if the plan then holds one slot only, the route of one."""
+    wanted = 2 if parallel == "auto" else int(parallel)
+    route = route_for(model, named, config.device, parallel=wanted, engine=engine)
+    source = transcoded_catalog_model(named) if route.format != named.format else named
+    fitted = _fitted(source, config, budget, parallel)
+    if fitted.parallel == 1 and wanted > 1:
+        single = route_for(model, named, config.device, parallel=1, engine=engine)
+        if single.format != route.format:
+            route, source = single, named
+            fitted = _fitted(source, config, budget, 1)
+    return source, route, fitted
 
 
 _ENGINES = {"gguf": "llama_cpp", "onnx": "onnxruntime"}  # the engine each format runs on
@@ -115,32 +160,85 @@ def _open(
     return open_backend(source, config, plan)
 
 
-def _fitted(source: ModelSource, config: LoadConfig, budget: int | str | None) -> LoadConfig:
-    """``config`` with the context and batch the memory plan for ``source`` allows."""
+def _fitted(
+    source: ModelSource, config: LoadConfig, budget: int | str | None, parallel: int | str
+) -> LoadConfig:
+    """``config`` with the slots, context and batch the memory plan for ``source`` allows."""
     shape = shape_of(source)
     memory = plan_memory(
         shape,
         budget=budget,
         context_length=config.context_length,
         threads=config.resolved_threads,
+        parallel=parallel,
     )
     # the backend re-fits the context to the resident set once it holds the weights
     fit = FitAtLoad(shape, memory, fixed_context=config.context_length is not None)
     return dataclasses.replace(
-        config, context_length=memory.context_length, batch_size=memory.batch_size, fit_context=fit
+        config,
+        context_length=memory.context_length,
+        batch_size=memory.batch_size,
+        parallel=memory.parallel,
+        fit_context=fit,
     )
-
-
-_GGUF_DEVICES = ("auto", "cpu", "cuda", "metal", "gpu")  # the rest are ONNX Runtime's
 
 
 def llama_cpp_installed() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def runs_as_onnx(model: str | PathLike[str], source: ModelSource, device: str) -> bool:
-    """Whether ``load()`` runs this catalog GGUF through its ONNX graph (see _onnx_route)."""
-    return _catalog_gguf(model, source) and _onnx_route(device)
+def route_for(
+    model: str | PathLike[str],
+    source: ModelSource,
+    device: str,
+    *,
+    parallel: int = 1,
+    engine: str = "auto",
+) -> Route:
+    """The route ``load()`` takes for ``source`` (``routes.choose_route`` on this machine)."""
+    wish = normalise_device(device)
+    installed = [m for m in ("llama_cpp", "onnxruntime", "onnx") if _installed(m)]
+    transcodable = _catalog_gguf(model, source)
+    llama_device = "cpu"
+    if transcodable and parallel > 1 and wish == "auto" and devices(engines=()).gpus:
+        llama_device = _llama_device(wish)  # asks llama.cpp only where there is a GPU
+    return choose_route(
+        source.format,
+        transcodable=transcodable,
+        parallel=parallel,
+        device=wish,
+        installed=installed,
+        engine=engine,
+        llama_device=llama_device,
+    )
+
+
+def runs_as_onnx(
+    model: str | PathLike[str],
+    source: ModelSource,
+    device: str,
+    *,
+    parallel: int = 1,
+    engine: str = "auto",
+) -> bool:
+    """Whether ``load()`` runs this GGUF through its ONNX transcode (see ``routes.py``)."""
+    route = route_for(model, source, device, parallel=parallel, engine=engine)
+    return route.format == "onnx" and source.format == "gguf"
+
+
+def _installed(module: str) -> bool:
+    if module == "llama_cpp":
+        return llama_cpp_installed()
+    return importlib.util.find_spec(module) is not None
+
+
+def _llama_device(wish: str) -> str:
+    """Where llama.cpp would run a GGUF under ``wish``: its first provider's device."""
+    try:
+        plan = plan_providers(devices(engines=("llama_cpp",)), "gguf", wish)
+    except EdgeInferError:
+        return "cpu"
+    return plan.candidates[0].device if plan.candidates else "cpu"
 
 
 def _catalog_gguf(model: str | PathLike[str], source: ModelSource) -> bool:
@@ -150,14 +248,6 @@ def _catalog_gguf(model: str | PathLike[str], source: ModelSource) -> bool:
         and catalog.lookup(text) is not None
         and not Path(text).expanduser().exists()
     )
-
-
-def _onnx_route(device: str) -> bool:
-    """A catalog GGUF runs through ONNX Runtime when llama.cpp is not installed, or when the
-    device is one only ONNX Runtime drives (an NPU, DirectML, a named provider)."""
-    if not llama_cpp_installed():
-        return True
-    return normalise_device(device) not in _GGUF_DEVICES
 
 
 def transcoded_catalog_model(source: ModelSource) -> ModelSource:

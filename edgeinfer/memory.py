@@ -21,6 +21,24 @@ trained context), trading prefill batch size for context when memory is short; a
 context that does not fit, or a budget below the weights and overheads, raises
 ``MemoryBudgetError`` before anything is allocated.
 
+Many sequences (``load(..., parallel=N)``). N slots share the weights and hold N KV caches of
+``context_length`` tokens each: the KV term is N x one slot's. The compute term is sized for
+the largest step the engine runs: one prefill chunk of ``batch_size`` tokens beside N - 1
+sequences decoding one token each (the slot being prefilled does not decode), every row's
+attention scores spanning its own slot's context, plus each decoding row's logits (twice: the
+engine's output and the array a batched step returns). N and the context are fitted
+together: an explicit N is kept and the context shrinks to what fits; when even
+``MIN_CONTEXT`` tokens per slot (or the explicit context) do not fit, ``MemoryBudgetError``
+names the weights, the KV cache (N slots), the activations and the runtime overhead
+(process, engine, headroom), each slot's KV, and the most slots that would fit.
+``parallel="auto"`` takes the most slots, up to ``AUTO_MAX_PARALLEL`` (8), whose plan keeps
+a useful context in each: the explicit ``context_length`` if given, else ``AUTO_MIN_CONTEXT``
+(2048 tokens: a system prompt, a few turns and a reply; a batch job's rows are shorter), or
+the trained context if that is shorter; else one slot, planned as usual. Why 8: on this class
+of CPU one forward pass over 8 tokens costs about what it costs over 1 to 2 (ONNX 4.2-5.2x
+throughput at 8, llama.cpp 2.3x), while 16 adds little (ONNX 5.2-6.0x, llama.cpp 2.3-2.6x:
+``shared/notes/batching.md``) and each stream would slow to a third of its speed alone.
+
 Measured at load (``FitAtLoad``). What an engine makes of the weights depends on the machine:
 llama.cpp repacks some quantizations for the CPU's kernels (AVX2, AVX-512, AMX, NEON),
 onnxruntime's MLAS pre-packs int8 weights per instruction set, and the libraries themselves
@@ -61,20 +79,25 @@ import logging
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import psutil
 
 from .errors import InvalidRequestError, MemoryBudgetError
+from .memory_costs import SLOT_LOGITS_BYTES, THREAD_BYTES, EngineCosts, costs_for
+from .memory_plan import MemoryPlan, mb, slots_text, step_text
 from .model_shape import ModelShape
 from .rss import peak_rss, resident_with_mapped_files
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "AUTO_MAX_PARALLEL",
+    "AUTO_MIN_CONTEXT",
     "DEFAULT_BUDGET_FRACTION",
+    "FRESH_PROCESS_BYTES",
     "MIN_CONTEXT",
+    "THREAD_BYTES",
     "FitAtLoad",
     "MemoryPlan",
     "parse_size",
@@ -90,84 +113,16 @@ _BATCHES = (512, 256, 128, 64, 32)  # prefill batch sizes tried, largest first
 _HEADROOM = 4 * MiB
 _HEADROOM_FRACTION = 0.02  # of the planned total
 _GROWTH_MARGIN_FRACTION = 0.05  # of what grows after the load (KV cache, compute, threads)
-THREAD_BYTES = 2 * MiB  # per compute thread (see "Margin")
+# parallel="auto": the most slots tried, and the per-slot context each must keep (see
+# "Many sequences" above for why these figures).
+AUTO_MAX_PARALLEL = 8
+MAX_PARALLEL = 256  # as LoadConfig allows
+AUTO_MIN_CONTEXT = 2048
 
 # A fresh `python -c "import edgeinfer"` (Python, numpy, psutil, edgeinfer): used when
 # planning for another machine's inventory, where this process's own size means nothing.
 FRESH_PROCESS_BYTES = 36 * MiB
 
-
-@dataclass(frozen=True)
-class _EngineCosts:
-    import_bytes: int  # the engine's libraries and Python modules once imported
-    fixed_bytes: int  # per loaded model, besides weights, KV and compute
-    vocab_bytes: float  # per vocabulary entry (llama.cpp's vocab; tokenizer tables)
-    tokenizer_file_factor: float  # resident bytes per byte of tokenizer.json (ONNX)
-    kv_factor: (
-        float  # resident bytes per KV cache byte: cache instances alive in a step + workspace
-    )
-    score_bytes: float  # per (batch x context x attention head): scores and softmax
-    compute_fixed_bytes: int  # per model: activations, logits of the last position
-    thread_bytes: int  # per compute thread: stack, allocator arena, kernel scratch
-    logits_per_batch_token: int  # bytes of logits computed per prefill token (x vocab)
-    weight_factor: dict[str, float]  # resident weights / bytes on disk, per quantization
-
-
-_COSTS = {
-    # llama.cpp, CPU: libllama/libggml 9 MiB; vocab structures ~18 MiB for 49k tokens; the
-    # compute buffer's touched part fits 5.6 B x batch x context x heads + 8 MiB (measured
-    # at contexts 256..8192 and batches 64..512); logits only for the last position.
-    "gguf": _EngineCosts(
-        import_bytes=10 * MiB,
-        fixed_bytes=12 * MiB,
-        vocab_bytes=120,
-        tokenizer_file_factor=0.0,
-        kv_factor=1.0,
-        score_bytes=5.8,
-        compute_fixed_bytes=11 * MiB,
-        thread_bytes=THREAD_BYTES,
-        logits_per_batch_token=0,
-        weight_factor={"default": 1.0},
-    ),
-    # onnxruntime, CPU: onnxruntime + tokenizers 22 MiB; the tokenizers library holds ~7x the
-    # size of tokenizer.json; optimum's graph returns the grown cache beside the old one and
-    # computes logits for every prefill position. Measured on the default model's int8
-    # conversion, resident memory grows by 2.75x the KV cache per token of context (two cache
-    # instances during a step, plus attention workspace and arena slack); weight residency per
-    # quantization measured after session creation (pre-packing copies some weights). int8:
-    # 1.55 counts the mapped fp32 embedding (113 MB, read row by row as tokens appear) in full
-    # besides the pre-packed int8 weights (measured at load with FitAtLoad's accounting).
-    "onnx": _EngineCosts(
-        import_bytes=22 * MiB,
-        fixed_bytes=8 * MiB,
-        vocab_bytes=0,
-        tokenizer_file_factor=7.0,
-        kv_factor=2.75,
-        score_bytes=8.0,
-        compute_fixed_bytes=8 * MiB,
-        thread_bytes=THREAD_BYTES,
-        # the graph's [batch, vocab] fp32 logits in the arena, plus the numpy copy of the
-        # previous prefill chunk's, alive while the next chunk runs (measured: +100 MB at
-        # batch 512 with a 49k vocabulary)
-        logits_per_batch_token=8,
-        weight_factor={"fp32": 1.05, "fp16": 1.05, "int8": 1.55, "int4": 1.05, "int8wo": 0.75,
-                       "default": 1.2},
-    ),
-}  # fmt: skip
-# onnxruntime on a graph with one preallocated KV buffer written in place (GroupQueryAttention,
-# the native builder's graphs) that returns the last position's logits only. Measured with
-# `python benchmarks/bench_memory.py --model <native folder> --budgets 512MB 768MB 1GB` on the
-# default model: peak - at load - KV = 46 / 49 / 62 MB at (context, batch) 1280/64, 2048/256,
-# 2048/512, so no second cache instance and no per-token logits; onnxruntime pre-packs the
-# MatMulNBits weights beside the mapped file (at load: 1.6x the weight file).
-_COSTS["onnx-shared"] = dataclasses.replace(
-    _COSTS["onnx"],
-    kv_factor=1.0,
-    score_bytes=2.0,
-    compute_fixed_bytes=40 * MiB,
-    logits_per_batch_token=0,
-    weight_factor={"gguf-blocks": 1.6, "default": 1.6},
-)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
 _UNITS = {
@@ -198,64 +153,6 @@ def parse_size(value: int | str) -> int:
     )
 
 
-@dataclass(frozen=True)
-class MemoryPlan:
-    """Host memory for one loaded model, planned before loading it. All figures in bytes."""
-
-    budget: int
-    budget_source: str
-    process: int  # resident now, plus the engine's libraries if they are not loaded yet
-    weights: int
-    engine: int  # fixed structures: vocabulary, tokenizer, sessions
-    kv_bytes_per_token: int
-    kv_factor: float
-    context_length: int
-    trained_context: int
-    batch_size: int
-    compute: int  # compute buffers and the compute threads' own memory
-    headroom: int
-    threads: int = 1
-    # The resident set measured once the engine held the weights (mapped model files counted
-    # in full): replaces the estimated process + weights + engine in the total. None before.
-    loaded: int | None = None
-
-    @property
-    def kv_cache(self) -> int:
-        return int(self.kv_bytes_per_token * self.kv_factor * self.context_length)
-
-    @property
-    def resident_before_kv(self) -> int:
-        """What is resident before the KV cache: measured at load, else estimated."""
-        if self.loaded is not None:
-            return self.loaded
-        return self.process + self.weights + self.engine
-
-    @property
-    def total(self) -> int:
-        return self.resident_before_kv + self.kv_cache + self.compute + self.headroom
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "kv_cache": self.kv_cache, "total": self.total}
-
-    def describe(self) -> str:
-        before = (
-            f"measured at load {_mb(self.loaded)}"
-            if self.loaded is not None
-            else f"process {_mb(self.process)}, weights {_mb(self.weights)}, engine "
-            f"{_mb(self.engine)}"
-        )
-        return (
-            f"{_mb(self.total)} of {_mb(self.budget)} ({self.budget_source}): {before}, KV "
-            f"cache {_mb(self.kv_cache)} ({self.context_length} tokens), compute "
-            f"{_mb(self.compute)} (batch {self.batch_size}, {self.threads} threads), headroom "
-            f"{_mb(self.headroom)}"
-        )
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.0f} MB"
-
-
 def plan_memory(
     shape: ModelShape,
     *,
@@ -267,6 +164,7 @@ def plan_memory(
     threads: int = 1,
     loaded: int | None = None,
     batches: tuple[int, ...] = _BATCHES,
+    parallel: int | str = 1,
 ) -> MemoryPlan:
     """Plan ``shape``'s memory within ``budget``; raise ``MemoryBudgetError`` if it cannot fit.
 
@@ -274,8 +172,11 @@ def plan_memory(
     to this machine's; pass a recorded machine's to plan for it. ``threads`` is the number of
     compute threads. ``loaded`` is the resident set measured once the engine holds the
     weights (see ``FitAtLoad``): it then replaces the estimated process, weights and engine.
+    ``parallel`` is the number of sequence slots (each with a ``context_length`` cache), or
+    "auto": the most slots, up to ``AUTO_MAX_PARALLEL``, that keep a useful context (see
+    "Many sequences" above).
     """
-    costs = _costs_for(shape)
+    costs = costs_for(shape)
     if process is None:
         process = psutil.Process().memory_info().rss
     if engine_loaded is None:
@@ -285,21 +186,25 @@ def plan_memory(
     limit, source = _budget(budget, process, available)
     fixed = _fixed_terms(shape, costs, limit, source, process, threads, loaded)
     sizing = _Sizing(costs, shape, fixed)
-    return _fit(sizing, context_length, limit, batches)
+    if parallel == "auto":
+        return _auto(sizing, context_length, limit, batches)
+    return _fit(sizing.with_slots(check_parallel(parallel)), context_length, limit, batches)
 
 
-def _costs_for(shape: ModelShape) -> _EngineCosts:
-    """The measured costs of the engine and graph kind that will run ``shape``."""
-    costs = _COSTS["onnx-shared" if shape.kv_cache == "shared" else shape.format]
-    if shape.kv_cache == "shared" and shape.logits_all_positions:  # onnxruntime-genai's graphs
-        costs = dataclasses.replace(
-            costs, logits_per_batch_token=_COSTS["onnx"].logits_per_batch_token
-        )
-    return costs
+def check_parallel(parallel: object, *, auto: bool = True) -> int:
+    """``parallel`` as a slot count (1 to ``MAX_PARALLEL``); InvalidRequestError otherwise."""
+    if isinstance(parallel, int) and not isinstance(parallel, bool):
+        if 1 <= parallel <= MAX_PARALLEL:
+            return parallel
+    hint = " or 'auto' (the most slots the memory budget allows)" if auto else ""
+    raise InvalidRequestError(
+        f"parallel={parallel!r} is invalid: expected an integer from 1 to {MAX_PARALLEL} (the "
+        f"sequences generated at once){hint}"
+    )
 
 
 def _fixed_terms(
-    shape: ModelShape, costs: _EngineCosts, limit: int, source: str, process: int,
+    shape: ModelShape, costs: EngineCosts, limit: int, source: str, process: int,
     threads: int, loaded: int | None,
 ) -> MemoryPlan:  # fmt: skip
     """The terms that do not depend on the context or the batch: a plan with no context, no
@@ -333,17 +238,23 @@ class _Sizing:
     shape, and the terms that do not depend on the context or the batch (``fixed``: a plan
     with no context, no compute and no headroom)."""
 
-    costs: _EngineCosts
+    costs: EngineCosts
     shape: ModelShape
     fixed: MemoryPlan
 
+    def with_slots(self, parallel: int) -> _Sizing:
+        return dataclasses.replace(self, fixed=dataclasses.replace(self.fixed, parallel=parallel))
+
     def plan(self, ctx: int, batch: int) -> MemoryPlan:
-        """The plan for a ``ctx``-token context read in prefill batches of ``batch`` tokens."""
+        """The plan for ``parallel`` slots of a ``ctx``-token context, read in prefill
+        chunks of ``batch`` tokens while the other slots decode (see "Many sequences")."""
         batch = min(batch, ctx)
         costs, shape = self.costs, self.shape
+        decoding = self.fixed.parallel - 1  # the slot being prefilled does not decode
         compute = int(
-            costs.score_bytes * batch * ctx * shape.n_heads
+            costs.score_bytes * (batch + decoding) * ctx * shape.n_heads
             + costs.logits_per_batch_token * batch * shape.n_vocab
+            + SLOT_LOGITS_BYTES * decoding * shape.n_vocab
             + costs.compute_fixed_bytes
             + costs.thread_bytes * self.fixed.threads
         )
@@ -384,15 +295,33 @@ def _fit(
         fits = [p for p in (plan_for(context_length, b) for b in batches) if p.total <= limit]
         if fits:
             return fits[0]
-        raise _refusal(plan_for(context_length, batches[-1]), "context_length")
+        raise _refusal(sizing, context_length, limit, batches, "context_length")
     best: MemoryPlan | None = None
     for batch in batches:
         ctx = _largest_context(sizing, batch, limit, trained)
         if ctx and (best is None or ctx > best.context_length):
             best = plan_for(ctx, batch)
     if best is None or best.context_length < min(MIN_CONTEXT, trained):
-        raise _refusal(plan_for(min(MIN_CONTEXT, trained), batches[-1]), "budget")
+        raise _refusal(sizing, min(MIN_CONTEXT, trained), limit, batches, "budget")
     return best
+
+
+def _auto(
+    sizing: _Sizing, context_length: int | None, limit: int, batches: tuple[int, ...]
+) -> MemoryPlan:
+    """parallel="auto": the most slots, up to AUTO_MAX_PARALLEL, whose plan fits ``limit``
+    with a useful context each (``context_length`` if given, else AUTO_MIN_CONTEXT or the
+    trained context if shorter); one slot, planned as usual, when no more fit."""
+    trained = sizing.shape.trained_context
+    useful = context_length or (min(AUTO_MIN_CONTEXT, trained) if trained > 0 else MIN_CONTEXT)
+    for n in range(AUTO_MAX_PARALLEL, 1, -1):
+        try:
+            plan = _fit(sizing.with_slots(n), context_length, limit, batches)
+        except MemoryBudgetError:
+            continue
+        if plan.context_length >= useful:
+            return plan
+    return _fit(sizing.with_slots(1), context_length, limit, batches)
 
 
 def _largest_context(sizing: _Sizing, batch: int, limit: int, trained: int) -> int:
@@ -410,24 +339,45 @@ def _largest_context(sizing: _Sizing, batch: int, limit: int, trained: int) -> i
     return lo * _CONTEXT_STEP
 
 
-def _refusal(plan: MemoryPlan, cause: str) -> MemoryBudgetError:
-    needed = plan.total
-    advice = (
-        "use a shorter context_length, a bigger memory_budget, or a smaller quantization"
-        if cause == "context_length"
-        else "use a bigger memory_budget or a smaller quantization (a smaller model file)"
-    )
+def _refusal(
+    sizing: _Sizing, ctx: int, limit: int, batches: tuple[int, ...], cause: str
+) -> MemoryBudgetError:
+    """The plan for ``ctx`` does not fit ``limit``: say what it needs, part by part (their
+    figures add up to the total), and what would fit."""
+    plan = sizing.plan(ctx, batches[-1])
+    slots = plan.parallel
+    fewer = next(
+        (n for n in range(slots - 1, 0, -1)
+         if sizing.with_slots(n).plan(ctx, batches[-1]).total <= limit),
+        None,
+    )  # fmt: skip
+    advice = ["a bigger memory_budget", "a smaller quantization (a smaller model file)"]
+    if cause == "context_length":
+        advice.insert(0, "a shorter context_length")
+    if fewer is not None:
+        advice.insert(0, f"parallel={fewer} (the most slots of {ctx} tokens this budget holds)")
     before = (
-        f"{_mb(plan.loaded)} resident once the weights were loaded (measured)"
+        f"{mb(plan.loaded)} resident once the weights were loaded (measured)"
         if plan.loaded is not None
-        else f"process {_mb(plan.process)}, weights {_mb(plan.weights)}, engine {_mb(plan.engine)}"
+        else f"weights {mb(plan.weights)}"
     )
+    overhead = (
+        f"headroom {mb(plan.headroom)}"
+        if plan.loaded is not None
+        else f"process {mb(plan.process)}, engine {mb(plan.engine)}, headroom {mb(plan.headroom)}"
+    )
+    what = f"a {ctx}-token context" if slots == 1 else f"{slots} slots of a {ctx}-token context"
+    per_slot = f"; each slot's KV cache is {mb(plan.kv_per_slot)}" if slots > 1 else ""
     return MemoryBudgetError(
-        f"the model needs {_mb(needed)} with a {plan.context_length}-token context but "
-        f"the budget is {_mb(plan.budget)} ({plan.budget_source}): {before}, KV "
-        f"cache {_mb(plan.kv_cache)}, compute {_mb(plan.compute)}, headroom "
-        f"{_mb(plan.headroom)}; {advice}"
+        f"the model needs {mb(plan.total)} with {what} but the budget is {mb(plan.budget)} "
+        f"({plan.budget_source}): {before}, KV cache {mb(plan.kv_cache)} ({slots_text(plan)}), "
+        f"compute {mb(plan.compute)} (activations of {step_text(plan)}, {plan.threads} threads), "
+        f"runtime overhead: {overhead}{per_slot}; use {_either(advice)}"
     )
+
+
+def _either(options: list[str]) -> str:
+    return options[0] if len(options) == 1 else ", ".join(options[:-1]) + ", or " + options[-1]
 
 
 # -- measured at load ----------------------------------------------------------------------
@@ -458,8 +408,8 @@ class FitAtLoad:
         load_peak = peak_rss()
         if load_peak > plan.budget:
             raise MemoryBudgetError(
-                f"loading the model took {_mb(load_peak)} at its peak, over the budget of "
-                f"{_mb(plan.budget)} ({plan.budget_source}); use a bigger memory_budget or a "
+                f"loading the model took {mb(load_peak)} at its peak, over the budget of "
+                f"{mb(plan.budget)} ({plan.budget_source}); use a bigger memory_budget or a "
                 "smaller quantization (a smaller model file)"
             )
         shape = self._shape
@@ -474,12 +424,13 @@ class FitAtLoad:
             threads=plan.threads,
             loaded=loaded,
             batches=(plan.batch_size,),
+            parallel=plan.parallel,
         )
         self.plan = dataclasses.replace(fitted, budget_source=plan.budget_source)
         logger.debug(
             "resident once the weights were loaded: %s (estimated %s); context %d -> %d",
-            _mb(loaded),
-            _mb(plan.resident_before_kv),
+            mb(loaded),
+            mb(plan.resident_before_kv),
             plan.context_length,
             self.plan.context_length,
         )

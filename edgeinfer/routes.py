@@ -1,0 +1,122 @@
+"""Which engine runs a model: llama.cpp on a GGUF file, or onnxruntime on an ONNX graph, and
+for a catalog GGUF, which of the two. A pure function of its inputs (``choose_route``).
+
+A catalog GGUF has an exact ONNX transcode (the native builder keeps the file's blocks, built
+once into ``$EDGEINFER_HOME/derived``). It runs through that transcode when llama.cpp is not
+installed, when the device is one only ONNX Runtime drives (an NPU, DirectML, a named
+provider), and when many sequences run at once on the CPU (``parallel > 1``): one forward
+pass over 8 sequences' tokens gives 4.2-5.2x the throughput of one on the ONNX graph and
+2.3x on llama.cpp's Q4_1 kernels on this class of CPU (``shared/notes/batching.md``), so
+the same weights batch about 2x better there. On a GPU llama.cpp keeps the model.
+
+``engine="llama.cpp"`` or ``engine="onnxruntime"`` (``load()``'s option) overrides the rule;
+a GGUF named by its path runs on llama.cpp unless ``engine="onnxruntime"`` is asked, which
+only a catalog name can honour (the transcode is built for the catalog's checked file).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidRequestError
+
+__all__ = ["ENGINES", "Route", "check_engine", "choose_route"]
+
+ENGINES = ("auto", "llama.cpp", "onnxruntime")
+_GGUF_DEVICES = ("auto", "cpu", "cuda", "metal", "gpu")  # the rest are ONNX Runtime's only
+_TRANSCODE = "the exact ONNX transcode of the same blocks"
+
+
+@dataclass(frozen=True)
+class Route:
+    """What runs (``format``), what was named (``source``), and why."""
+
+    format: str  # "gguf" (llama.cpp) | "onnx" (onnxruntime)
+    source: str  # the named model's format
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": self.format, "from": self.source, "why": self.why}
+
+
+def check_engine(engine: object) -> str:
+    """``engine`` if it is one of ``ENGINES``; InvalidRequestError otherwise."""
+    if isinstance(engine, str) and engine in ENGINES:
+        return engine
+    raise InvalidRequestError(
+        f"engine={engine!r} is invalid: expected 'auto' (the route rule), 'llama.cpp' or "
+        "'onnxruntime'"
+    )
+
+
+def choose_route(
+    model_format: str,
+    *,
+    transcodable: bool,
+    parallel: int,
+    device: str,
+    installed: Collection[str],
+    engine: str = "auto",
+    llama_device: str = "cpu",
+) -> Route:
+    """The route for a ``model_format`` model ("gguf" | "onnx").
+
+    ``transcodable``: a catalog GGUF (its exact ONNX transcode can be built). ``device``: the
+    normalised device wish (``policy.normalise_device``). ``installed``: the packages present
+    among "llama_cpp", "onnxruntime" and "onnx" (the builder). ``llama_device``: where llama.cpp
+    would run this model under ``device`` ("cpu", "cuda", "metal", "gpu").
+    """
+    engine = check_engine(engine)
+    if model_format != "gguf":
+        if engine == "llama.cpp":
+            raise InvalidRequestError(
+                "engine='llama.cpp' runs GGUF files; this is an ONNX model, which runs on "
+                "onnxruntime: load the GGUF file, or leave engine='auto'"
+            )
+        return Route(model_format, model_format, "an ONNX model runs on onnxruntime")
+    if engine == "llama.cpp":
+        return Route("gguf", "gguf", "engine='llama.cpp' was asked for")
+    if engine == "onnxruntime":
+        if not transcodable:
+            raise InvalidRequestError(
+                "engine='onnxruntime' runs a GGUF through its exact ONNX transcode, built only "
+                "for catalog models: load it by its catalog name, or convert the file once "
+                "(edgeinfer convert FILE -o FOLDER) and load the folder"
+            )
+        return Route("onnx", "gguf", f"engine='onnxruntime' was asked for: {_TRANSCODE}")
+    if not transcodable:
+        return Route("gguf", "gguf", "a GGUF file runs on llama.cpp")
+    return _catalog_gguf_route(parallel, device, frozenset(installed), llama_device)
+
+
+def _catalog_gguf_route(
+    parallel: int, device: str, installed: frozenset[str], llama_device: str
+) -> Route:
+    if "llama_cpp" not in installed:
+        return Route("onnx", "gguf", f"llama.cpp is not installed: {_TRANSCODE}")
+    if device not in _GGUF_DEVICES:
+        return Route("onnx", "gguf", f"device={device!r} is ONNX Runtime's: {_TRANSCODE}")
+    if parallel == 1:
+        return Route("gguf", "gguf", "one sequence at a time: llama.cpp runs the file")
+    if llama_device != "cpu":
+        return Route(
+            "gguf",
+            "gguf",
+            f"parallel={parallel} on the {llama_device} GPU: llama.cpp batches there",
+        )
+    missing = [p for p in ("onnxruntime", "onnx") if p not in installed]
+    if missing:
+        return Route(
+            "gguf",
+            "gguf",
+            f"parallel={parallel}: {_TRANSCODE} would batch better on this CPU, but "
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed "
+            "(pip install 'edgeinfer[onnx]'); llama.cpp runs the file",
+        )
+    return Route(
+        "onnx",
+        "gguf",
+        f"parallel={parallel}: {_TRANSCODE} batches better on this CPU than llama.cpp",
+    )
