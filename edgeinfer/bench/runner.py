@@ -83,6 +83,7 @@ class BenchSettings:
     peer_models: tuple[str, ...] = ()
     timeout_s: float = DEFAULT_RUN_TIMEOUT_S  # per run; a peer that takes longer is left out
     parallel: tuple[int, ...] = ()  # streams at once (--parallel); () = the one-stream run
+    engine: str = "auto"  # what runs a GGUF for edgeinfer: load()'s engine= (--engine)
 
     def checked(self) -> BenchSettings:
         """These settings with defaults filled in; InvalidRequestError names a bad one."""
@@ -114,6 +115,7 @@ class BenchSettings:
             peer_models=tuple(self.peer_models),
             timeout_s=_timeout(self.timeout_s),
             parallel=_parallel_axis(self.parallel),
+            engine=_engine(self.engine),
         )
 
     def _context_length(self) -> int:
@@ -152,6 +154,14 @@ def _parallel_axis(values: tuple[int, ...]) -> tuple[int, ...]:
     if len(set(values)) != len(values):
         raise InvalidRequestError(f"--parallel names {values} twice: give each count once")
     return values
+
+
+def _engine(engine: object) -> str:
+    if engine not in ("auto", "llama.cpp", "onnxruntime"):
+        raise InvalidRequestError(
+            f"--engine {engine!r} is invalid: expected auto, llama.cpp or onnxruntime"
+        )
+    return str(engine)
 
 
 def _timeout(timeout: object) -> float:
@@ -457,6 +467,7 @@ def _spec(bench: _Bench, run: _Run) -> dict[str, Any]:
     s = bench.settings
     return {
         **({"parallel": run.parallel} if run.parallel is not None else {}),
+        **({"route": s.engine} if s.engine != "auto" else {}),
         "prompt_tokens": run.prompt_tokens,
         "new_tokens": s.new_tokens,
         "threads": run.threads,

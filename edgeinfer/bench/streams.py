@@ -115,6 +115,7 @@ def run_edgeinfer_parallel(spec: Spec) -> dict[str, Any]:
         context_length=spec["context_length"],
         threads=spec["threads"],
         parallel=n,
+        **({"engine": spec["route"]} if spec.get("route") else {}),
     ) as model:
         prompts = [prompt_ids(model, spec["prompt_tokens"], variant=i) for i in range(n)]
         ban = end_of_generation_ids(model)

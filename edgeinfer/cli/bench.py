@@ -124,6 +124,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "measured peak (default: load()'s)",
     )
     p.add_argument(
+        "--engine",
+        default="auto",
+        choices=("auto", "llama.cpp", "onnxruntime"),
+        help="what runs a GGUF for edgeinfer, as load()'s engine=: auto (its route rule: a "
+        "catalog GGUF at --parallel > 1 runs its exact ONNX transcode on the CPU), llama.cpp, "
+        "or onnxruntime (catalog names only) (default: auto)",
+    )
+    p.add_argument(
         "--context-length",
         type=int,
         metavar="N",
@@ -241,6 +249,7 @@ def _measure(args: argparse.Namespace) -> BenchReport:
         peer_models=tuple(args.peer_model),
         timeout_s=args.timeout,
         parallel=int_list("--parallel", args.parallel) if args.parallel is not None else (),
+        engine=args.engine,
     )
     argv = sys.argv[1:]
     command = ["edgeinfer", *argv[argv.index("bench") :]] if "bench" in argv else []
