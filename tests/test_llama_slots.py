@@ -1,0 +1,321 @@
+"""The llama.cpp backend's sequence slots: a sequence in any slot, stepped alone or with
+others in one forward pass, reads what it reads alone in a one-slot backend.
+
+Fast tests use a tiny random Llama written in the session; one test (marked `model`) runs the
+default model. Every reference is computed in the same run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from edgeinfer import InvalidRequestError
+from edgeinfer.config import LoadConfig
+from edgeinfer.errors import BackendUnavailableError
+from edgeinfer.gguf_file import read_gguf_header
+from edgeinfer.inventory import devices
+from edgeinfer.policy import plan_providers
+from edgeinfer.runtimes.base import SlotBackend
+from edgeinfer.runtimes.llama_cpp import LlamaCppBackend, open_backend
+
+from .ggufgen import tiny_llama
+
+pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (the gguf extra)")
+
+# Token ids of the tiny model's byte-level vocabulary (267 tokens): prompts of 3 to 19 tokens.
+PROMPTS = [
+    [40, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88],
+    [33, 34, 35],
+    [90, 12, 200, 5, 64, 70, 17, 150, 99],
+    [7, 8, 9, 10, 11, 260, 261],
+    [101, 102, 103, 104, 105],
+    [250, 3, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53],
+]
+N_NEW = 10
+# Logits span about +-10. The tiny model's f32 weights take another matrix kernel for a
+# batch of rows than for one, so its logits drift apart in the last bits (~1e-3 after ten
+# steps); the default model's Q4_1 kernels do not (they read the same, measured).
+ATOL = 1e-2
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama(context=256, seed=3).write(tmp_path_factory.mktemp("slots") / "t.gguf")
+
+
+def open_slots(path: Path, parallel: int, **config: Any) -> LlamaCppBackend:
+    cpu = plan_providers(devices(), "gguf", "cpu").candidates[0]
+    settings = {"context_length": 64, "threads": 1, **config}
+    load = LoadConfig(parallel=parallel, **settings)
+    return open_backend(path, load, read_gguf_header(path), cpu)
+
+
+@pytest.fixture
+def slots4(tiny_gguf: Path) -> Iterator[LlamaCppBackend]:
+    backend = open_slots(tiny_gguf, 4)
+    yield backend
+    backend.close()
+
+
+def greedy_alone(
+    path: Path, prompt: Sequence[int], n: int = N_NEW, **config: Any
+) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and the logits [n + 1, vocab] of ``prompt`` in a one-slot backend."""
+    backend = open_slots(path, 1, **config)
+    try:
+        logits = [backend.prefill(prompt).copy()]
+        tokens = []
+        for _ in range(n):
+            tokens.append(int(np.argmax(logits[-1])))
+            logits.append(backend.decode(tokens[-1]).copy())
+        return tokens, np.array(logits)
+    finally:
+        backend.close()
+
+
+def assert_same_run(tokens: list[int], logits: list[np.ndarray], alone: tuple) -> None:
+    """Logits close to the alone run's, and the same greedy tokens up to a near-tie there (f32
+    weights take another matrix kernel for a batch of rows: sums differ in the last bits)."""
+    ref_tokens, ref_logits = alone
+    n = len(tokens)
+    if tokens != ref_tokens[:n]:
+        first = next(i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=False)) if a != b)
+        top2 = np.sort(ref_logits[first])[-2:]
+        assert top2[1] - top2[0] < 2 * ATOL, f"greedy tokens differ at {first}: {tokens}"
+        n = first
+    np.testing.assert_allclose(np.array(logits[: n + 1]), ref_logits[: n + 1], rtol=0, atol=ATOL)
+
+
+def test_the_backend_is_a_slot_backend(slots4: LlamaCppBackend, tiny_gguf: Path) -> None:
+    assert isinstance(slots4, SlotBackend)
+    assert slots4.n_slots == 4 and slots4.info["parallel"] == 4
+    with closing(open_slots(tiny_gguf, 1)) as one:
+        assert one.n_slots == 1 and one.info["parallel"] == 1
+        assert slots4.kv_nbytes == 4 * one.kv_nbytes
+        assert slots4.n_ctx == one.n_ctx == 64
+
+
+@pytest.mark.parametrize("slot", [0, 2, 3])
+def test_a_sequence_in_any_slot_reads_as_alone(
+    slots4: LlamaCppBackend, tiny_gguf: Path, slot: int
+) -> None:
+    """Other slots hold other prompts; slot ``slot`` is prefilled and decoded one by one."""
+    for other in range(4):
+        if other != slot:
+            slots4.prefill(PROMPTS[other + 1], other)
+    logits = [slots4.prefill(PROMPTS[0], slot).copy()]
+    tokens: list[int] = []
+    for _ in range(N_NEW):
+        tokens.append(int(np.argmax(logits[-1])))
+        logits.append(slots4.decode(tokens[-1], slot).copy())
+    assert slots4.slot_past(slot) == len(PROMPTS[0]) + N_NEW
+    assert_same_run(tokens, logits, greedy_alone(tiny_gguf, PROMPTS[0]))
+
+
+def _step_all(
+    backend: LlamaCppBackend, runs: dict[int, tuple[list[int], list[np.ndarray]]], order: list[int]
+) -> None:
+    """One decode_many over the slots in ``order``: each appends its last greedy token."""
+    rows = backend.decode_many([(s, runs[s][0][-1]) for s in order])
+    assert rows.shape == (len(order), backend.tokenizer.n_vocab) and rows.dtype == np.float32
+    for i, s in enumerate(order):
+        runs[s][1].append(rows[i].copy())
+        runs[s][0].append(int(np.argmax(rows[i])))
+
+
+def _start(backend: LlamaCppBackend, prompts: dict[int, list[int]]) -> dict[int, Any]:
+    runs = {}
+    for slot, prompt in prompts.items():
+        first = backend.prefill(prompt, slot).copy()
+        runs[slot] = ([int(np.argmax(first))], [first])
+    return runs
+
+
+def _check_runs(path: Path, prompts: dict[int, list[int]], runs: dict[int, Any]) -> None:
+    for slot, prompt in prompts.items():
+        tokens, logits = runs[slot]
+        assert_same_run(tokens[:-1], logits, greedy_alone(path, prompt, len(tokens)))
+
+
+def test_decode_many_over_slots_of_different_lengths_matches_each_alone(
+    slots4: LlamaCppBackend, tiny_gguf: Path
+) -> None:
+    prompts = {s: PROMPTS[s] for s in range(4)}  # 19, 3, 9 and 7 tokens
+    runs = _start(slots4, prompts)
+    for _ in range(N_NEW):
+        _step_all(slots4, runs, [0, 1, 2, 3])
+    _check_runs(tiny_gguf, prompts, runs)
+
+
+def test_steps_with_gaps_and_in_any_order_match_each_alone(tiny_gguf: Path) -> None:
+    """Random subsets of six slots, in random order: rows follow the order asked for, and a
+    slot left out of a step (or filled over, across a gap) keeps its cache."""
+    rng = np.random.default_rng(7)
+    with closing(open_slots(tiny_gguf, 6)) as backend:
+        prompts = {s: PROMPTS[s] for s in range(6)}
+        runs = _start(backend, prompts)
+        for _ in range(3 * N_NEW):
+            order = [int(s) for s in rng.permutation(6)[: rng.integers(1, 7)]]
+            _step_all(backend, runs, order)
+        _check_runs(tiny_gguf, prompts, runs)
+
+
+def test_a_slot_not_in_a_step_keeps_its_cache(slots4: LlamaCppBackend) -> None:
+    slots4.prefill(PROMPTS[2], 1)
+    probe = slots4.decode(5, 1).copy()
+    slots4.rewind(len(PROMPTS[2]), 1)
+    runs = _start(slots4, {0: PROMPTS[0], 2: PROMPTS[3], 3: PROMPTS[4]})
+    for _ in range(N_NEW):
+        _step_all(slots4, runs, [0, 2, 3])  # slot 1 lies in the gap
+        _step_all(slots4, runs, [3, 0])
+    assert slots4.slot_past(1) == len(PROMPTS[2])
+    np.testing.assert_array_equal(slots4.decode(5, 1), probe)
+
+
+def test_rewind_of_one_slot_leaves_the_others(slots4: LlamaCppBackend, tiny_gguf: Path) -> None:
+    prompts = {s: PROMPTS[s] for s in range(4)}
+    runs = _start(slots4, prompts)
+    for _ in range(3):
+        _step_all(slots4, runs, [0, 1, 2, 3])
+    slots4.rewind(2, 1)
+    expected = [len(PROMPTS[s]) + 3 for s in range(4)]
+    expected[1] = 2
+    assert [slots4.slot_past(s) for s in range(4)] == expected
+    assert slots4.n_past == slots4.slot_past(0)
+    first = slots4.prefill(PROMPTS[5], 1).copy()  # slot 1 goes on from its first 2 tokens
+    runs[1] = ([int(np.argmax(first))], [first])
+    prompts[1] = PROMPTS[1][:2] + PROMPTS[5]
+    for _ in range(N_NEW - 3):
+        _step_all(slots4, runs, [0, 1, 2, 3])
+    _check_runs(tiny_gguf, prompts, runs)
+
+
+def test_slot_numbers_and_steps_are_checked(slots4: LlamaCppBackend) -> None:
+    for bad in (4, -1, True, 1.0, "0", None):
+        with pytest.raises(InvalidRequestError, match="slot"):
+            slots4.prefill([1, 2], bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError, match="slot"):
+            slots4.decode(1, bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError, match="slot"):
+            slots4.rewind(0, bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError, match="slot"):
+            slots4.slot_past(bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError, match="slot"):
+            slots4.decode_many([(bad, 1)])  # type: ignore[list-item]
+    for bad_steps in ([], [(0, 1), (0, 2)], [(0,)], [(0, "x")], [3], None):
+        with pytest.raises(InvalidRequestError):
+            slots4.decode_many(bad_steps)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="rewind"):
+        slots4.rewind(1, 2)  # slot 2 is empty
+    slots4.prefill(list(range(1, 65)), 2)  # slot 2 is full
+    with pytest.raises(InvalidRequestError, match="full"):
+        slots4.decode_many([(0, 1), (2, 1)])
+    assert [slots4.slot_past(s) for s in range(4)] == [0, 0, 64, 0]
+
+
+def test_more_slots_than_the_prefill_batch(tiny_gguf: Path) -> None:
+    """A planned batch of 4 tokens and 6 slots: the step still carries all six, and prompts
+    are still read in chunks of 4 as in a one-slot backend with that batch."""
+    with closing(open_slots(tiny_gguf, 6, batch_size=4)) as backend:
+        assert backend.info["batch_size"] == 4
+        prompts = {s: PROMPTS[s] for s in range(6)}
+        runs = _start(backend, prompts)
+        for _ in range(N_NEW):
+            _step_all(backend, runs, list(range(6)))
+        for slot, prompt in prompts.items():
+            tokens, logits = runs[slot]
+            alone = greedy_alone(tiny_gguf, prompt, len(tokens), batch_size=4)
+            assert_same_run(tokens[:-1], logits, alone)
+
+
+class _FailingDecode:
+    """The engine module, but llama_decode reports failure after doing its work: a batch that
+    failed part way, its entries written for some slots."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def llama_decode(self, ctx: Any, batch: Any) -> int:
+        self._real.llama_decode(ctx, batch)
+        return 2
+
+
+def test_a_failed_step_leaves_every_slot_as_it_was(
+    slots4: LlamaCppBackend, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompts = {s: PROMPTS[s] for s in range(4)}
+    runs = _start(slots4, prompts)
+    _step_all(slots4, runs, [0, 1, 2, 3])
+    before = [slots4.slot_past(s) for s in range(4)]
+    real = slots4._llama
+    monkeypatch.setattr(slots4, "_llama", _FailingDecode(real))
+    with pytest.raises(BackendUnavailableError, match="decode"):
+        slots4.decode_many([(0, 9), (3, 9), (1, 9)])  # slot 2 is a filler
+    with pytest.raises(BackendUnavailableError, match="decode"):
+        slots4.prefill([1, 2, 3], 2)
+    monkeypatch.setattr(slots4, "_llama", real)
+    assert [slots4.slot_past(s) for s in range(4)] == before
+    with pytest.raises(BackendUnavailableError):  # an id outside the vocabulary
+        slots4.decode_many([(0, 10**6), (1, runs[1][0][-1])])
+    assert [slots4.slot_past(s) for s in range(4)] == before
+    for _ in range(N_NEW):
+        _step_all(slots4, runs, [0, 1, 2, 3])
+    _check_runs(tiny_gguf, prompts, runs)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(
+        st.tuples(st.one_of(st.integers(-2, 6), st.none(), st.booleans()), st.integers(-5, 300)),
+        max_size=6,
+    )
+)
+def test_any_step_list_is_run_or_refused(slots4: LlamaCppBackend, steps: list) -> None:
+    """Whatever the pairs, a step either runs (one row each) or raises one of our errors,
+    and the slots' counts move by exactly one for each slot that ran."""
+    before = [slots4.slot_past(s) for s in range(4)]
+    if max(before) >= 60:
+        for s in range(4):
+            slots4.rewind(0, s)
+        before = [0] * 4
+    try:
+        rows = slots4.decode_many(steps)
+    except (InvalidRequestError, BackendUnavailableError):
+        assert [slots4.slot_past(s) for s in range(4)] == before
+        return
+    assert rows.shape == (len(steps), slots4.tokenizer.n_vocab)
+    ran = {s for s, _ in steps}
+    assert [slots4.slot_past(s) for s in range(4)] == [b + (s in ran) for s, b in enumerate(before)]
+
+
+@pytest.mark.model
+def test_default_model_in_four_slots_matches_alone(default_gguf: Path) -> None:
+    texts = [
+        "The capital of France is",
+        "Once upon a time, in a small village by the sea,",
+        "def fibonacci(n):",
+        "Water boils at",
+    ]
+    config = {"context_length": 256, "threads": 1}
+    with closing(open_slots(default_gguf, 4, **config)) as backend:
+        prompts = {s: backend.tokenizer.encode(t) for s, t in enumerate(texts)}
+        runs = _start(backend, prompts)
+        for i in range(16):
+            _step_all(backend, runs, [0, 1, 2, 3] if i % 3 else [3, 1])
+        for slot, prompt in prompts.items():
+            tokens, logits = runs[slot]
+            alone = greedy_alone(default_gguf, prompt, len(tokens), **config)
+            assert_same_run(tokens[:-1], logits, alone)
