@@ -221,6 +221,16 @@ def test_slot_numbers_and_steps_are_checked(slots4: LlamaCppBackend) -> None:
     assert [slots4.slot_past(s) for s in range(4)] == [0, 0, 64, 0]
 
 
+def test_a_full_slot_between_two_in_a_step_gets_no_filler(tiny_gguf: Path) -> None:
+    """llama.cpp gives each sequence a multiple of 256 cells: at 256 a full slot has no room
+    for a filler token, and the step goes on without one."""
+    with closing(open_slots(tiny_gguf, 3, context_length=256)) as backend:
+        backend.prefill([7] * 256, 1)
+        backend.prefill([8, 9], 0)
+        backend.decode_many([(0, 1), (2, 1)])
+        assert [backend.slot_past(s) for s in range(3)] == [3, 256, 1]
+
+
 def test_more_slots_than_the_prefill_batch(tiny_gguf: Path) -> None:
     """A planned batch of 4 tokens and 6 slots: the step still carries all six, and prompts
     are still read in chunks of 4 as in a one-slot backend with that batch."""
