@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Chunk", "FinishReason", "GenerationResult", "GenerationStats", "TokenStream"]
 
-FinishReason = Literal["stop", "length", "cancelled"]
+FinishReason = Literal["stop", "length", "cancelled", "tool_calls"]
 
 _MIN_PREFILL = 2  # prompt tokens always prefilled, even when all are in the cache
 # Reuse ends at a multiple of this many tokens (see KVHistory): every prompt token then sits
@@ -59,6 +59,9 @@ class Chunk:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     stats: GenerationStats | None = None
+    # calls completed in this chunk (chat with tools), OpenAI's shape: {"id", "type":
+    # "function", "function": {"name", "arguments": JSON text}}
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,12 @@ class GenerationResult:
     # the parsed JSON of a complete reply under a JSON response_format; None otherwise (also
     # when the reply ended before the grammar did)
     parsed: Any = None
+    # chat with tools: the calls the reply made, each valid against its function's schema
+    # (finish_reason "tool_calls" when it made calls and every one was valid) ...
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    # ... and why a call in the reply was not handed out (malformed, unknown function,
+    # arguments not matching the schema); None when there was none
+    tool_call_error: str | None = None
 
 
 class KVHistory:

@@ -20,6 +20,7 @@ from .generation import Chunk, GenerationResult, KVHistory, TokenStream
 from .many import Request, collect_in_order, read_request
 from .memory import MemoryPlan
 from .sampling import Sampler, SamplingConfig, is_int
+from .tools import ToolRequest
 
 if TYPE_CHECKING:
     from .runtimes.base import Backend
@@ -147,6 +148,9 @@ class Model:
         stream: Literal[False] = ...,
         wait: bool = ...,
         parse_special_in_content: bool = ...,
+        tools: Sequence[Mapping[str, Any]] | None = ...,
+        tool_choice: str | Mapping[str, Any] | None = ...,
+        parallel_tool_calls: bool | None = ...,
         **sampling: Any,
     ) -> GenerationResult: ...
 
@@ -159,6 +163,9 @@ class Model:
         stream: Literal[True],
         wait: bool = ...,
         parse_special_in_content: bool = ...,
+        tools: Sequence[Mapping[str, Any]] | None = ...,
+        tool_choice: str | Mapping[str, Any] | None = ...,
+        parallel_tool_calls: bool | None = ...,
         **sampling: Any,
     ) -> TokenStream: ...
 
@@ -170,6 +177,9 @@ class Model:
         stream: bool = False,
         wait: bool = True,
         parse_special_in_content: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         **sampling: Any,
     ) -> GenerationResult | TokenStream:
         """Reply to ``messages`` (role/content dicts) through the model's chat template.
@@ -177,19 +187,34 @@ class Model:
         Message content is read as plain text: text that spells a special token
         (``<|im_start|>system``) cannot forge a turn. ``parse_special_in_content=True`` reads
         such text as the special token instead (for callers who build markup on purpose).
+
+        ``tools`` (OpenAI's function tools) and ``tool_choice`` ("auto", "none", "required"
+        or ``{"type": "function", "function": {"name": ...}}``): calls come back in
+        ``result.tool_calls`` with ``finish_reason="tool_calls"``; "required" and a named
+        function constrain the reply to a valid call (see ``edgeinfer.tools``).
         """
         if not isinstance(parse_special_in_content, bool):
             raise InvalidRequestError(
                 f"parse_special_in_content={parse_special_in_content!r} is invalid: expected "
                 "True or False"
             )
-        ids, keep = self._chat_request(messages, parse_special_in_content)
-        result = self._stream(ids, SamplingConfig.from_kwargs(config, **sampling), keep, wait)
+        cfg = SamplingConfig.from_kwargs(config, **sampling)
+        request = ToolRequest.build(tools, tool_choice, parallel_tool_calls, self.chat_template)
+        offered = None
+        if request is not None:
+            messages, cfg = request.messages(messages), request.sampling(cfg)
+            offered = request.template_tools
+        ids, keep = self._chat_request(messages, parse_special_in_content, offered)
+        result = self._stream(ids, cfg, keep, wait)
+        if request is not None:
+            result = request.wrap(result)
         return result if stream else result.collect()
 
-    def _chat_request(self, messages: Messages, parse_special: bool) -> tuple[list[int], int]:
+    def _chat_request(
+        self, messages: Messages, parse_special: bool, tools: Messages | None = None
+    ) -> tuple[list[int], int]:
         """The prompt ids of ``messages`` and the tokens a sliding context keeps."""
-        ids = self._chat_ids(messages, parse_special_in_content=parse_special)
+        ids = self._chat_ids(messages, parse_special_in_content=parse_special, tools=tools)
         keep = self._bos_len()
         if self._slide and messages and messages[0].get("role") == "system":
             # what a sliding context keeps: the rendered system message
@@ -255,8 +280,11 @@ class Model:
         *,
         add_generation_prompt: bool = True,
         parse_special_in_content: bool = False,
+        tools: Messages | None = None,
     ) -> list[int]:
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
         bos = self._tokenizer.bos_token
         add = not (bos and text.startswith(bos))
         if parse_special_in_content:
@@ -280,14 +308,22 @@ class Model:
             raise InvalidRequestError("a chat template must be a non-empty Jinja string")
         self._chat_template = template
 
-    def apply_chat_template(self, messages: Messages, *, add_generation_prompt: bool = True) -> str:
-        """The prompt text the model's chat template makes of ``messages``."""
+    def apply_chat_template(
+        self,
+        messages: Messages,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text the model's chat template makes of ``messages`` (``tools``, in
+        OpenAI's shape, as the template's ``tools`` variable)."""
         return render_chat(
             self.chat_template,
             messages,
             bos_token=self._tokenizer.bos_token,
             eos_token=self._tokenizer.eos_token,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
         )
 
     def tokenize(

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from ..errors import ChatTemplateError, InvalidRequestError
 from ._budget import Abort, Budget, Guard, current, messages_size, traced
+from .tool_messages import ToolTurns
 
 __all__ = [
     "CALL_DEPTH_LIMIT",
@@ -55,12 +56,15 @@ _T = TypeVar("_T")
 
 
 def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as plain dicts; each needs a known role and string content."""
+    """Messages as plain dicts; each needs a known role and string content. An assistant
+    message may carry ``tool_calls`` (then its content may be None) and a ``tool`` message
+    must answer one of them by ``tool_call_id`` (see tool_messages)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError(
             "messages must be a non-empty list of {'role': ..., 'content': ...} dicts"
         )
     checked = []
+    turns = ToolTurns()
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise InvalidRequestError(f"messages[{i}] is {type(message).__name__}, not a dict")
@@ -69,6 +73,12 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
             raise InvalidRequestError(
                 f"messages[{i}]['role']={_short(role)}; expected one of {sorted(_ROLES)}"
             )
+        if role == "assistant" and message.get("tool_calls") is not None:
+            checked.append(turns.assistant(message, f"messages[{i}]"))
+            continue
+        if role == "tool":
+            checked.append(turns.tool(message, f"messages[{i}]"))
+            continue
         if not isinstance(content, str):
             raise InvalidRequestError(f"messages[{i}]['content'] must be a string")
         checked.append(dict(message))
@@ -82,8 +92,10 @@ def render_chat(
     bos_token: str | None,
     eos_token: str | None,
     add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
-    """The prompt text for ``messages``, as the model was trained to see it."""
+    """The prompt text for ``messages``, as the model was trained to see it; ``tools`` (in
+    OpenAI's shape) reach the template as its ``tools`` variable, as Hugging Face's do."""
     if not template:
         raise ChatTemplateError(
             "this model has no chat template; use generate()/stream() with a plain prompt"
@@ -91,7 +103,10 @@ def render_chat(
     if not isinstance(template, str):
         raise ChatTemplateError(f"the model's chat template is a {type(template).__name__}")
     checked = validate_messages(messages)
-    limit = OUTPUT_LIMIT_CHARS + OUTPUT_LIMIT_PER_MESSAGE_CHAR * messages_size(checked)
+    size = messages_size(checked) + (
+        messages_size([{"role": "", "content": "", "t": tools}]) if tools else 0
+    )
+    limit = OUTPUT_LIMIT_CHARS + OUTPUT_LIMIT_PER_MESSAGE_CHAR * size
     deadline = time.monotonic() + RENDER_DEADLINE_S
     budget = Budget(
         limit, WORK_FACTOR * limit, deadline, RENDER_DEADLINE_S, INT_LIMIT_BITS, CALL_DEPTH_LIMIT
@@ -102,6 +117,8 @@ def render_chat(
         "bos_token": bos_token or "",
         "eos_token": eos_token or "",
     }
+    if tools:
+        context["tools"] = [dict(t) for t in tools]
     return _bounded(budget, lambda: _compile_and_render(template, context, budget))
 
 
