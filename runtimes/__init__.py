@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 BACKENDS: dict[str, str] = {
     "gguf": "edgeinfer.runtimes.llama_cpp:open_backend",
     "onnx": "edgeinfer.runtimes.onnxruntime:open_backend",
+    "encoder": "edgeinfer.runtimes.onnx_encoder:open_backend",  # embedding models
 }
 
 
