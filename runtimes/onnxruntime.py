@@ -1,16 +1,17 @@
 """ONNX backend over ONNX Runtime, for decoder graphs with a KV cache.
 
-The graph takes ``input_ids``, ``attention_mask``, optionally ``position_ids``, and
-``past_key_values.N.key/value`` [1, kv_heads, past, head_dim]; it returns ``logits``
-[1, seq, vocab] and ``present.N.key/value`` [1, kv_heads, past + seq, head_dim]. The cache stays
-in ONNX Runtime values bound with IO binding from one step to the next, so it never travels
-through numpy; only the last position's logits are handed to the sampler.
+The graph takes ``input_ids`` [B, S], ``attention_mask`` [B, T], optionally ``position_ids``,
+and ``past_key_values.N.key/value`` [B, kv_heads, past, head_dim]; it returns ``logits``
+[B, S or 1, vocab] and ``present.N.key/value``. The cache never travels through numpy: a
+shared cache (GroupQueryAttention writing in place) is one buffer per tensor with a row per
+sequence slot, bound by address with IO binding (``onnx_slots``); a growing cache stays in
+ONNX Runtime values carried from one step to the next. Only the last position's logits are
+handed to the sampler. Graph checks at load live in ``onnx_checks``.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,17 @@ from edgeinfer.errors import (
 from edgeinfer.manifest import MANIFEST_NAME, Architecture, Manifest, resolve_inside
 from edgeinfer.policy import CPU_PROVIDER, Candidate
 
-from .base import aligned_chunks, check_fits
+from .base import aligned_chunks, check_fits, check_slot
+from .onnx_checks import (
+    check_graph,
+    check_rotary,
+    check_shared_context,
+    check_slots,
+    past_names,
+    returns_last_position_only,
+)
 from .onnx_external import GraphFacts, read_graph_facts
+from .onnx_slots import SlotCache, plan_step
 from .tokenizer_json import JsonTokenizer
 
 __all__ = ["OrtBackend", "open_backend"]
@@ -39,8 +49,6 @@ logger = logging.getLogger(__name__)
 
 _PREFILL_CHUNK = 256  # tokens per run during prefill: bounds the [chunk, vocab] logits buffer
 _KV_BYTES = {"float32": 4, "float16": 2}
-_ORT_KV_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16"}
-_PAST_KEY = re.compile(r"past_key_values\.\d+\.key")
 _MAX_TEMPLATE_BYTES = 1 << 20  # real templates are a few KB
 _DML = "DmlExecutionProvider"
 _TRT = "TensorrtExecutionProvider"
@@ -63,6 +71,15 @@ def open_backend(
 
 
 class OrtBackend:
+    """The graph and its KV cache, with ``config.parallel`` sequence slots (``SlotBackend``).
+
+    A graph that shares its cache buffer (GroupQueryAttention writing in place) gets one
+    allocation for every slot, a row per slot (``onnx_slots``). One-token runs keep their
+    bindings from one step to the next while they stay in the same slot: a token then costs
+    two bindings (the ids and the mask), as with a single sequence. A graph that grows its
+    cache each step drives one sequence only.
+    """
+
     def __init__(
         self, folder: Path, config: LoadConfig, manifest: Manifest, candidate: Candidate
     ) -> None:
@@ -73,25 +90,28 @@ class OrtBackend:
         self._threads = config.resolved_threads
         self._chunk = config.batch_size or _PREFILL_CHUNK
         model_path, facts = _model_path(folder, manifest)
-        _check_rotary(facts.rotary_positions, arch.max_context, manifest)
+        check_rotary(facts.rotary_positions, arch.max_context, manifest)
         self._session = self._open_session(model_path, candidate)
         self._n_ctx = config.context_for(arch.max_context)
         self._has_position_ids = any(i.name == "position_ids" for i in self._session.get_inputs())
         self._kv_type = np.float16 if arch.kv_dtype == "float16" else np.float32
-        self._past_names = _past_names(arch.num_layers)
+        self._past_names = past_names(arch.num_layers)
         self._present_names = [n.replace("past_key_values", "present") for n in self._past_names]
-        self._check_graph()
+        check_graph(self._session, arch)
         self._shared = arch.kv_cache == "shared"
+        self._n_slots = config.parallel
+        check_slots(self._session, self._n_slots, self._shared)
         if self._shared:
-            _check_shared_context(self._n_ctx, arch)
-        self._last_only = _returns_last_position_only(self._session)
+            check_shared_context(self._n_ctx, arch)
+        self._last_only = returns_last_position_only(self._session)
         self._binding = self._session.io_binding()
-        self._decode_logits = np.empty((1, 1, arch.vocab_size), dtype=np.float32)
-        # shared cache and one logits buffer: everything but the ids and the mask is bound
-        # once and stays bound (decoding then costs two bindings per token, not 2 + 2 * layers)
-        self._static_bound = False
-        self._past: list[Any] = self._whole_context_cache() if self._shared else []
-        self._n_past = 0
+        # one logits row per slot: a one-token run (or a batched step) writes its rows here
+        self._logits = np.empty((self._n_slots, 1, arch.vocab_size), dtype=np.float32)
+        # (first row, rows) the cache and logits are bound for; None: bound for nothing
+        self._bound: tuple[int, int] | None = None
+        self._cache = self._slot_cache() if self._shared else None
+        self._past: list[Any] = []  # a growing cache's values (one slot)
+        self._slot_past = [0] * self._n_slots
         self.rewind(0)
         self.tokenizer = _open_tokenizer(folder, manifest)
         self._info = {
@@ -101,15 +121,15 @@ class OrtBackend:
             "device": candidate.device,
             "threads": self._threads,
             "batch_size": self._chunk,
+            "slots": self._n_slots,
             "quantization": manifest.quantization.get("method", "unknown"),
         }
 
-    def _whole_context_cache(self) -> list[Any]:
-        """One buffer per cache tensor, the whole context, allocated once."""
+    def _slot_cache(self) -> SlotCache:
+        """One buffer per cache tensor, every slot's whole context, allocated once."""
         arch = self._arch
-        whole = (1, arch.num_kv_heads, self._n_ctx, arch.head_dim)
-        make = self._ort.OrtValue.ortvalue_from_shape_and_type
-        return [make(whole, self._kv_type) for _ in self._past_names]
+        row = (arch.num_kv_heads, self._n_ctx, arch.head_dim)
+        return SlotCache(self._past_names, self._n_slots, row, self._kv_type)
 
     def _open_session(self, path: Path, candidate: Candidate) -> Any:
         ort = self._ort
@@ -159,31 +179,20 @@ class OrtBackend:
             )
         return session
 
-    def _check_graph(self) -> None:
-        """The graph must take and return what the manifest says, before anything runs: a
-        mismatch would otherwise surface at generation as an error blaming the request."""
-        inputs = {i.name: i for i in self._session.get_inputs()}
-        outputs = {o.name: o for o in self._session.get_outputs()}
-        _check_layer_count(inputs, self._arch)
-        missing = [n for n in ("input_ids", "attention_mask", *self._past_names) if n not in inputs]
-        missing += [n for n in ("logits", *self._present_names) if n not in outputs]
-        if missing:
-            raise ModelLoadError(
-                f"the ONNX graph is not a decoder with a KV cache edgeinfer can drive: it lacks "
-                f"{', '.join(missing[:4])}"
-            )
-        _check_int64_inputs(inputs)
-        _check_static_dim(outputs["logits"], 2, "vocab_size", self._arch.vocab_size)
-        for name in self._past_names:
-            _check_kv_input(inputs[name], self._arch)
-
     @property
     def n_ctx(self) -> int:
         return self._n_ctx
 
     @property
     def n_past(self) -> int:
-        return self._n_past
+        return self._slot_past[0]
+
+    @property
+    def n_slots(self) -> int:
+        return self._n_slots
+
+    def slot_past(self, slot: int) -> int:
+        return self._slot_past[check_slot(slot, self._n_slots)]
 
     @property
     def reuse_is_exact(self) -> bool:
@@ -192,135 +201,147 @@ class OrtBackend:
     @property
     def kv_nbytes(self) -> int:
         a = self._arch
-        return (
-            2
-            * a.num_layers
-            * a.num_kv_heads
-            * a.head_dim
-            * self._n_ctx
-            * _KV_BYTES.get(a.kv_dtype, 4)
-        )
+        per_slot = 2 * a.num_layers * a.num_kv_heads * a.head_dim * self._n_ctx
+        return per_slot * _KV_BYTES.get(a.kv_dtype, 4) * self._n_slots
 
     @property
     def info(self) -> dict[str, Any]:
         return dict(self._info)
 
-    def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
-        ids = check_fits(token_ids, self._n_past, self._n_ctx)
+    def prefill(self, token_ids: Sequence[int], slot: int = 0) -> np.ndarray:
+        check_slot(slot, self._n_slots)
+        ids = check_fits(token_ids, self._slot_past[slot], self._n_ctx)
         logits: np.ndarray | None = None
-        for chunk in aligned_chunks(ids, self._n_past, self._chunk):
-            logits = self._run(chunk)
+        for chunk in aligned_chunks(ids, self._slot_past[slot], self._chunk):
+            logits = self._run(chunk, slot)
         assert logits is not None
         return logits
 
-    def decode(self, token_id: int) -> np.ndarray:
-        return self._run(check_fits([token_id], self._n_past, self._n_ctx))
+    def decode(self, token_id: int, slot: int = 0) -> np.ndarray:
+        check_slot(slot, self._n_slots)
+        return self._run(check_fits([token_id], self._slot_past[slot], self._n_ctx), slot)
 
-    def _run(self, ids: list[int]) -> np.ndarray:
-        """One graph run over ``ids``; returns the last position's logits [vocab]."""
+    def decode_many(self, steps: Sequence[tuple[int, int]]) -> np.ndarray:
+        """One run over the rows of the listed slots (see ``onnx_slots``); [k, vocab]."""
+        step = plan_step(steps, self._slot_past, self._n_ctx, self._logits.shape[2])
+        if len(step.lengths) == 1:  # one slot: the one-token path and its standing bindings
+            (slot,) = step.lengths
+            return self._run([int(step.ids[0, 0])], slot)[None, :]
+        self._alive()
+        assert self._cache is not None  # several slots: a shared cache (check_slots)
+        n = step.ids.shape[0]
+        self._bind_rows(step.row, n)
+        saved = self._cache.save_first(step.saved_rows) if step.saved_rows else None
+        try:
+            positions = step.positions if self._has_position_ids else None
+            self._execute(step.ids, step.mask, positions)
+        finally:
+            if saved is not None:
+                self._cache.restore_first(step.saved_rows, saved)
+        for slot, length in step.lengths.items():
+            self._slot_past[slot] = length
+        rows = self._logits[step.row : step.row + n, 0]
+        return rows if step.order is None else rows[step.order]
+
+    def _alive(self) -> None:
         if self._session is None:
             raise EdgeInferError("the model is closed; load it again")
-        binding, n = self._binding, len(ids)
-        total = self._n_past + n
+
+    def _run(self, ids: list[int], slot: int) -> np.ndarray:
+        """One graph run over ``ids`` in ``slot``; returns the last position's logits [vocab]."""
+        self._alive()
+        n, past = len(ids), self._slot_past[slot]
+        total = past + n
         one_buffer = n == 1 or self._last_only
         if self._shared and one_buffer:
-            self._bind_static()
+            if self._bound != (slot, 1):
+                self._bind_rows(slot, 1)
         else:
-            self._static_bound = False
-            binding.clear_binding_inputs()
-            binding.clear_binding_outputs()
-            self._bind_cache_and_logits(one_buffer)
-        binding.bind_cpu_input("input_ids", np.array([ids], dtype=np.int64))
-        binding.bind_cpu_input("attention_mask", np.ones((1, total), dtype=np.int64))
+            self._bound = None
+            self._binding.clear_binding_inputs()
+            self._binding.clear_binding_outputs()
+            self._bind_cache_and_logits(one_buffer, slot)
+        positions = None
         if self._has_position_ids:
-            positions = np.arange(self._n_past, total, dtype=np.int64)[None, :]
+            positions = np.arange(past, total, dtype=np.int64)[None, :]
+        self._execute(np.array([ids], dtype=np.int64), np.ones((1, total), np.int64), positions)
+        self._slot_past[slot] = total
+        if self._shared and one_buffer:  # nothing bound was allocated by the run
+            return self._logits[slot, -1]
+        outputs = self._binding.get_outputs()  # logits first, then present.*
+        if not self._shared:
+            self._past = list(outputs[1:])  # present.* become the next step's past
+        if one_buffer:
+            return self._logits[0, -1]
+        return outputs[0].numpy()[0, -1]  # [vocab]: the last position only
+
+    def _execute(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray | None) -> None:
+        binding = self._binding
+        binding.bind_cpu_input("input_ids", ids)
+        binding.bind_cpu_input("attention_mask", mask)
+        if positions is not None:
             binding.bind_cpu_input("position_ids", positions)
         try:
             self._session.run_with_iobinding(binding)
         except Exception as exc:  # onnxruntime's own error types
             raise BackendUnavailableError(f"onnxruntime failed to run the model: {exc}") from exc
-        self._n_past = total
-        if self._shared and one_buffer:  # nothing bound was allocated by the run
-            return self._decode_logits[0, -1]
-        outputs = binding.get_outputs()  # logits first, then present.*
-        if not self._shared:
-            self._past = list(outputs[1:])  # present.* become the next step's past
-        if one_buffer:
-            return self._decode_logits[0, -1]
-        return outputs[0].numpy()[0, -1]  # [vocab]: the last position only
 
-    def _bind_static(self) -> None:
-        if not self._static_bound:
-            self._binding.clear_binding_inputs()
-            self._binding.clear_binding_outputs()
-            self._bind_cache_and_logits(True)
-            self._static_bound = True
-
-    def _bind_cache_and_logits(self, one_buffer: bool) -> None:
+    def _bind_rows(self, row: int, n: int) -> None:
+        """Rows ``row .. row + n - 1`` of the shared cache and of the logits buffer; they stay
+        bound for the next run over the same rows."""
+        assert self._cache is not None
         binding = self._binding
-        for name, value in zip(self._past_names, self._past, strict=True):
-            binding.bind_ortvalue_input(name, value)
+        binding.clear_binding_inputs()
+        binding.clear_binding_outputs()
+        self._cache.bind(binding, row, n)
+        self._bind_logits(row, n)
+        self._bound = (row, n)
+
+    def _bind_logits(self, row: int, n: int) -> None:
+        vocab = self._logits.shape[2]
+        ptr = self._logits.ctypes.data + row * self._logits[0].nbytes
+        self._binding.bind_output("logits", "cpu", 0, np.float32, [n, 1, vocab], ptr)
+
+    def _bind_cache_and_logits(self, one_buffer: bool, slot: int) -> None:
+        """Bindings of a run over several tokens whose logits are every position's, or of
+        a growing cache (which the run replaces): logits first, then the cache."""
+        binding = self._binding
         if one_buffer:  # logits land in one preallocated buffer
-            binding.bind_output(
-                "logits",
-                "cpu",
-                0,
-                np.float32,
-                list(self._decode_logits.shape),
-                self._decode_logits.ctypes.data,
-            )
+            self._bind_logits(slot, 1)
         else:
             binding.bind_output("logits", "cpu")
-        if self._shared:  # the graph writes the new entries into the same buffers
-            for name, value in zip(self._present_names, self._past, strict=True):
-                binding.bind_ortvalue_output(name, value)
-        else:
-            for name in self._present_names:
-                binding.bind_output(name, "cpu")
+        if self._cache is not None:
+            self._cache.bind(binding, slot, 1)
+            return
+        for name, value in zip(self._past_names, self._past, strict=True):
+            binding.bind_ortvalue_input(name, value)
+        for name in self._present_names:
+            binding.bind_output(name, "cpu")
 
-    def rewind(self, n: int) -> None:
-        if not 0 <= n <= self._n_past:
-            raise InvalidRequestError(f"cannot rewind to {n}: the cache holds {self._n_past}")
+    def rewind(self, n: int, slot: int = 0) -> None:
+        past = self._slot_past[check_slot(slot, self._n_slots)]
+        if not 0 <= n <= past:
+            raise InvalidRequestError(f"cannot rewind to {n}: the cache holds {past}")
         a = self._arch
         if self._shared:  # entries past n are ignored (the mask's length) and overwritten
-            self._n_past = n
+            self._slot_past[slot] = n
             return
         if n == 0:
             empty = np.zeros((1, a.num_kv_heads, 0, a.head_dim), dtype=self._kv_type)
             self._past = [self._ort.OrtValue.ortvalue_from_numpy(empty) for _ in self._past_names]
-        elif n < self._n_past:  # the cache is cut on the sequence axis: [1, heads, n, dim]
+        elif n < past:  # the cache is cut on the sequence axis: [1, heads, n, dim]
             self._past = [
                 self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, :n]))
                 for v in self._past
             ]
-        self._n_past = n
+        self._slot_past[slot] = n
 
     def close(self) -> None:
         self._session = None
         self._binding = None
+        self._bound = None
+        self._cache = None
         self._past = []
-
-
-def _past_names(num_layers: int) -> list[str]:
-    return [
-        f"past_key_values.{layer}.{kind}"
-        for layer in range(num_layers)
-        for kind in ("key", "value")
-    ]
-
-
-def _check_shared_context(n_ctx: int, arch: Architecture) -> None:
-    if n_ctx > arch.max_context:
-        raise ModelLoadError(
-            f"context {n_ctx} is longer than the {arch.max_context} tokens this graph "
-            "was built for; load it with a smaller context_length"
-        )
-
-
-def _returns_last_position_only(session: Any) -> bool:
-    """Graphs that return the last position only: every run's logits land in one buffer."""
-    logits_dims = {o.name: o.shape for o in session.get_outputs()}["logits"]
-    return len(logits_dims) == 3 and logits_dims[1] == 1
 
 
 def _open_tokenizer(folder: Path, manifest: Manifest) -> JsonTokenizer:
@@ -355,22 +376,6 @@ def _model_path(folder: Path, manifest: Manifest) -> tuple[Path, GraphFacts]:
     return path, facts
 
 
-def _check_rotary(rows: int | None, max_context: int, manifest: Manifest) -> None:
-    """The model's context must fit the graph's rotary cache: past it, the graph fails at
-    the first position beyond the cache, mid-reply."""
-    if rows is None or max_context <= rows:
-        return
-    field = (
-        "genai_config.json: model.context_length"
-        if manifest.source.get("kind") == "onnxruntime-genai"
-        else f"{MANIFEST_NAME}: architecture.max_context"
-    )
-    raise ModelLoadError(
-        f"{field}={max_context} is longer than the {rows} positions of the ONNX graph's rotary "
-        "cache; the config does not belong to this graph — re-convert the model"
-    )
-
-
 def _regular_file(folder: Path, name: str, key: str) -> Path:
     """The real path of a file the manifest names; it must be a regular file in ``folder``
     (not a FIFO, which would block the load forever)."""
@@ -381,51 +386,6 @@ def _regular_file(folder: Path, name: str, key: str) -> Path:
             "folder is incomplete"
         )
     return path
-
-
-def _graph_error(field: str, value: Any, graph_says: str) -> ModelLoadError:
-    return ModelLoadError(
-        f"{MANIFEST_NAME}: architecture.{field}={value!r} disagrees with the ONNX graph, whose "
-        f"{graph_says}; the manifest does not belong to this graph — re-convert the model"
-    )
-
-
-def _check_layer_count(inputs: dict[str, Any], arch: Architecture) -> None:
-    layers = sum(1 for name in inputs if _PAST_KEY.fullmatch(name))
-    if layers != arch.num_layers:
-        raise _graph_error("num_layers", arch.num_layers, f"has {layers} past_key_values layers")
-
-
-def _check_int64_inputs(inputs: dict[str, Any]) -> None:
-    for name in ("input_ids", "attention_mask", "position_ids"):
-        if name in inputs and inputs[name].type != "tensor(int64)":
-            raise ModelLoadError(
-                f"the ONNX graph's {name} is {inputs[name].type}; edgeinfer feeds tensor(int64)"
-            )
-
-
-def _check_static_dim(node: Any, axis: int, field: str, expected: int) -> None:
-    """``node``'s dimension ``axis`` must equal ``expected`` where the graph fixes it."""
-    shape = list(node.shape or [])
-    if len(shape) <= axis:
-        raise ModelLoadError(f"the ONNX graph's {node.name} has shape {shape}; expected more axes")
-    dim = shape[axis]
-    if isinstance(dim, int) and dim > 0 and dim != expected:
-        raise _graph_error(field, expected, f"{node.name} has {dim} on axis {axis}")
-
-
-def _check_kv_input(node: Any, arch: Architecture) -> None:
-    # past_key_values.N.key/value: [batch, kv_heads, past, head_dim]
-    if len(node.shape or []) != 4:
-        raise ModelLoadError(
-            f"the ONNX graph's {node.name} has shape {node.shape}; expected "
-            "[batch, kv_heads, past, head_dim]"
-        )
-    _check_static_dim(node, 1, "num_kv_heads", arch.num_kv_heads)
-    _check_static_dim(node, 3, "head_dim", arch.head_dim)
-    graph_type = _ORT_KV_TYPES.get(node.type, node.type)
-    if graph_type != arch.kv_dtype:
-        raise _graph_error("kv_dtype", arch.kv_dtype, f"{node.name} is {node.type}")
 
 
 def _check_tokenizer_size(tokenizer: JsonTokenizer, path: Path, arch: Architecture) -> None:

@@ -24,8 +24,8 @@ class Shared:
     """Names every layer reads: the lengths GQA takes from the mask, the MLP's split sizes,
     and the rotary caches (the sliding-window layers' own, where they rotate differently)."""
 
-    seqlens_k: str  # int32 [1]: cached + new - 1
-    total_len: str  # int32 scalar: the mask's length
+    seqlens_k: str  # int32 [B]: per row, cached + new - 1 (its mask row's sum - 1)
+    total_len: str  # int32 scalar: the mask's length (the longest row)
     ffn_halves: str
     cos: str
     sin: str

@@ -1,10 +1,16 @@
-"""The decoder graph as a recipe of parts (one per model, batch 1), named as onnxruntime-genai
-names its graphs:
+"""The decoder graph as a recipe of parts (one per model), named as onnxruntime-genai names
+its graphs:
 
-- inputs ``input_ids`` int64 [1, S], ``attention_mask`` int64 [1, T] (T = cached + S), and
-  per layer ``past_key_values.{i}.key`` / ``.value`` float32 [1, kv_heads, P, head_dim];
-- outputs ``logits`` float32 [1, 1, vocab] (the last position only) and
+- inputs ``input_ids`` int64 [B, S], ``attention_mask`` int64 [B, T], and per layer
+  ``past_key_values.{i}.key`` / ``.value`` float32 [B, kv_heads, P, head_dim];
+- outputs ``logits`` float32 [B, 1, vocab] (each row's last position) and
   ``present.{i}.key`` / ``.value``.
+
+B ("batch_size") is the number of sequences in one run, each a row of its own cache. Row b's
+length is the sum of its mask row (cached + S): GroupQueryAttention reads it as ``seqlens_k``
+and places row b's new entries and rotary positions from it, so rows of different lengths
+share a run when their mask rows are padded with zeros to the longest (T). All rows take the
+same S new tokens (a batch step is S = 1), so the last position is the last row of each.
 
 Each layer: RMSNorm -> q/k/v projection -> ``GroupQueryAttention`` (rotary inside, the KV
 cache in past/present: bound to one buffer of the planned context, GQA writes in place) ->
@@ -21,7 +27,9 @@ from .context import BuildContext
 from .linear import linear
 from .parts import add_rms, embedding, lm_head, mlp, post_norm, rms
 
-__all__ = ["decoder", "graph_values", "layer"]
+__all__ = ["BATCH", "decoder", "graph_values", "layer"]
+
+BATCH = "batch_size"  # the symbolic first axis of the inputs, the logits and the cache
 
 
 def decoder(b: BuildContext) -> str:
@@ -58,12 +66,12 @@ def graph_values(b: BuildContext) -> tuple[list[Any], list[Any]]:
     make = b.graph.helper.make_tensor_value_info
     s = b.shape
     inputs = [
-        make("input_ids", TensorProto.INT64, [1, "sequence_length"]),
-        make("attention_mask", TensorProto.INT64, [1, "total_sequence_length"]),
+        make("input_ids", TensorProto.INT64, [BATCH, "sequence_length"]),
+        make("attention_mask", TensorProto.INT64, [BATCH, "total_sequence_length"]),
     ]
-    outputs = [make("logits", TensorProto.FLOAT, [1, 1, s.vocab])]
-    past = [1, s.kv_heads, "past_sequence_length", s.head_dim]
-    present = [1, s.kv_heads, "total_sequence_length", s.head_dim]
+    outputs = [make("logits", TensorProto.FLOAT, [BATCH, 1, s.vocab])]
+    past = [BATCH, s.kv_heads, "past_sequence_length", s.head_dim]
+    present = [BATCH, s.kv_heads, "total_sequence_length", s.head_dim]
     for i in range(s.layers):
         for kind in ("key", "value"):
             inputs.append(make(f"past_key_values.{i}.{kind}", TensorProto.FLOAT, past))

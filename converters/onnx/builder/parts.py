@@ -51,7 +51,7 @@ def add_rms(b: BuildContext, residual: str, y: str, name: str) -> tuple[str, str
 
 
 def head_rms(b: BuildContext, y: str, heads: int, name: str) -> str:
-    """RMSNorm of each head's vector ([1, S, heads * head_dim] -> per head and back)."""
+    """RMSNorm of each head's vector ([B, S, heads * head_dim] -> per head and back)."""
     g, head_dim = b.graph, b.shape.head_dim
     per_head = g.node("Reshape", [y, g.ints("heads", [0, 0, heads, head_dim])])[0]
     normed = rms(b, per_head, name)
@@ -130,8 +130,8 @@ def mlp(b: BuildContext, h: str, p: str, halves: str) -> str:
 
 
 def lm_head(b: BuildContext, x: str, embedded: Embedding) -> str:
-    """The last position only, the final norm, then the vocabulary projection: its own
-    weights, or the embedding's (tied)."""
+    """Each row's last position only (every row has the same length S), the final norm, then
+    the vocabulary projection: its own weights, or the embedding's (tied)."""
     g = b.graph
     last = g.node(
         "Slice",
@@ -152,9 +152,9 @@ def lm_head(b: BuildContext, x: str, embedded: Embedding) -> str:
         scales = g.const("output.scales", w.scales.reshape(-1))
         return matmul_nbits(b, h, "token_embd.qweight", scales, w, w.n)
     assert embedded.table is not None  # the embedding is blocks or a table
-    flat = g.node("Reshape", [h, g.const("flat_shape", _int64([1, b.shape.hidden]))])
+    flat = g.node("Reshape", [h, g.const("flat_shape", _int64([-1, b.shape.hidden]))])
     logits2d = g.node("Gemm", [flat[0], embedded.table], transB=1)[0]
-    return g.node("Reshape", [logits2d, g.const("logits_shape", _int64([1, 1, b.shape.vocab]))])[0]
+    return g.node("Reshape", [logits2d, g.const("logits_shape", _int64([-1, 1, b.shape.vocab]))])[0]
 
 
 def _int64(values: list[int]) -> np.ndarray:
