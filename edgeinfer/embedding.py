@@ -169,3 +169,27 @@ def log_truncation(result: EmbedResult, limit: int) -> None:
             len(result.truncated),
             limit,
         )
+
+
+def embed_for_model(
+    backend: Any,
+    name: str,
+    plan: Any,
+    texts: object,
+    *,
+    normalize: object = True,
+    batch_size: object = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> EmbedResult:
+    """``Model.embed_detailed``: the request checked (model kind, texts, options), embedded
+    in batches of ``batch_size`` (default: the memory plan's), L2-normalized if
+    ``normalize``; ``on_batch(n)`` after each batch of n texts; truncation logged."""
+    require_embedding(backend, name)
+    checked = check_texts(texts)
+    if not isinstance(normalize, bool):
+        raise InvalidRequestError(f"normalize={short_repr(normalize)} must be True or False")
+    most = int(getattr(plan, "batch_size", 0) or 32)
+    size = most if batch_size is None else check_batch_size(batch_size, min(most, MAX_BATCH_SIZE))
+    result = embed_texts(backend, checked, normalize=normalize, batch_size=size, on_batch=on_batch)
+    log_truncation(result, backend.n_ctx)
+    return result

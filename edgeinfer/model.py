@@ -14,6 +14,7 @@ import numpy as np
 from . import generation
 from ._turns import Turns
 from .chat import encode_chat, render_chat
+from .embedding import EmbedResult, embed_for_model, require_generation
 from .engine import Engine
 from .errors import EdgeInferError, InvalidRequestError, short_repr
 from .generation import Chunk, GenerationResult, KVHistory, TokenStream
@@ -214,6 +215,7 @@ class Model:
         self, messages: Messages, parse_special: bool, tools: Messages | None = None
     ) -> tuple[list[int], int]:
         """The prompt ids of ``messages`` and the tokens a sliding context keeps."""
+        require_generation(self._backend, self._name)
         ids = self._chat_ids(messages, parse_special_in_content=parse_special, tools=tools)
         keep = self._bos_len()
         if self._slide and messages and messages[0].get("role") == "system":
@@ -349,6 +351,17 @@ class Model:
         pieces = b"".join(self._tokenizer.token_bytes(t) for t in checked)
         return pieces.decode("utf-8", errors="replace")
 
+    def embed(
+        self, texts: str | Sequence[str], *, normalize: bool = True, batch_size: int | None = None
+    ) -> np.ndarray:
+        """Vectors float32 [n, dim] of ``texts`` (an embedding model); see ``embed_detailed``."""
+        return self.embed_detailed(texts, normalize=normalize, batch_size=batch_size).vectors
+
+    def embed_detailed(self, texts: str | Sequence[str], **options: Any) -> EmbedResult:
+        """Vectors, tokens per text, which were truncated (``embedding.embed_for_model``)."""
+        self._require_open()
+        return embed_for_model(self._backend, self._name, self._memory_plan, texts, **options)
+
     # -- facts ----------------------------------------------------------------------------
 
     @property
@@ -419,6 +432,7 @@ class Model:
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         self._require_open()
+        require_generation(self._backend, self._name)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty")
