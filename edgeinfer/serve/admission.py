@@ -133,7 +133,7 @@ def admit(
     if admission.closing:
         raise shutting_down()
     if isinstance(parsed, wire.ChatRequest):
-        stream = model.chat(parsed.messages, stream=True, **parsed.sampling)
+        stream = model.chat(parsed.messages, stream=True, **parsed.tools, **parsed.sampling)
     else:
         stream = model.stream(parsed.prompt, **parsed.sampling)
     job = Job(stream, admission)

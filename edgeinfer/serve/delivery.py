@@ -86,7 +86,9 @@ class GenerationReply:
         figs = figures(result, self.job.tokens_at_cancel)
         if result.finish_reason == "cancelled":  # by a shutdown: the client is still here
             return await conn.error(shutting_down()), figs
-        body = self.shape.whole("".join(parts), result.finish_reason, result.stats)
+        body = self.shape.whole(
+            "".join(parts), result.finish_reason, result.stats, result.tool_calls
+        )
         return await conn.json(200, body), figs
 
 

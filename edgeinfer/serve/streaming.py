@@ -31,10 +31,13 @@ async def stream(conn: Connection, shape: wire.Shape, first: Chunk) -> tuple[int
     opening = shape.opening()
     if opening is not None:
         await _event(conn, opening)
-    what, value = "chunk", first
+    what, value, calls = "chunk", first, 0
     while True:
-        if what == "chunk" and (value.text or value.finish_reason is not None):
-            await _event(conn, shape.chunk(value.text, value.finish_reason))
+        if what == "chunk" and (value.text or value.tool_calls or value.finish_reason):
+            await _event(
+                conn, shape.chunk(value.text, value.finish_reason, value.tool_calls, calls)
+            )
+            calls += len(value.tool_calls)
         elif what == "end":
             if shape.include_usage:
                 await _event(conn, shape.usage_tail(value.stats))

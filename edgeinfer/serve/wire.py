@@ -13,7 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..chat import validate_messages
+from ..errors import InvalidRequestError
 from ..generation import GenerationStats
+from ..tools.spec import check_parallel, check_tool_choice, check_tools
 
 __all__ = ["ChatRequest", "CompletionRequest", "WireError", "parse_chat", "parse_completion"]
 
@@ -22,8 +25,6 @@ __all__ = ["ChatRequest", "CompletionRequest", "WireError", "parse_chat", "parse
 _REFUSED = {
     "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "frequency_penalty": (None, 0, 0.0),
@@ -80,7 +81,8 @@ class _Common:
 
 @dataclass
 class ChatRequest(_Common):
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: dict[str, Any] = field(default_factory=dict)  # tools, tool_choice, parallel_...
 
 
 @dataclass
@@ -93,7 +95,31 @@ def parse_chat(body: Any) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "must be a non-empty list of {role, content} objects")
-    return ChatRequest(**common, messages=[_message(m, i) for i, m in enumerate(messages)])
+    checked = [_message(m, i) for i, m in enumerate(messages)]
+    _checked(validate_messages, checked)  # tool calls and the results that answer them
+    return ChatRequest(**common, messages=checked, tools=_tools(body))
+
+
+def _tools(body: dict[str, Any]) -> dict[str, Any]:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` as ``Model.chat`` takes them
+    (checked here too, so that a refusal names its field)."""
+    fields = {k: body.get(k) for k in ("tools", "tool_choice", "parallel_tool_calls")}
+    if all(v is None for v in fields.values()):
+        return {}
+    tools = _checked(check_tools, fields["tools"])
+    _checked(check_tool_choice, fields["tool_choice"], tools)
+    _checked(check_parallel, fields["parallel_tool_calls"])
+    return fields
+
+
+def _checked(check: Any, *args: Any) -> Any:
+    """``check(*args)``; its InvalidRequestError ("field: why") as a 400 naming the field."""
+    try:
+        return check(*args)
+    except InvalidRequestError as exc:
+        text = str(exc)
+        param = text.split(":", 1)[0] if ": " in text else None
+        raise WireError(400, text, param=param, code="invalid_value") from None
 
 
 def parse_completion(body: Any) -> CompletionRequest:
@@ -231,7 +257,7 @@ def shown(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _message(m: Any, i: int) -> dict[str, str]:
+def _message(m: Any, i: int) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise bad(where, "must be an object with a string role")
@@ -245,9 +271,16 @@ def _message(m: Any, i: int) -> dict[str, str]:
                 raise bad(f"{where}.content", "a text part needs a string text")
             parts.append(part["text"])
         content = "".join(parts)
+    message: dict[str, Any] = {"role": m["role"], "content": content}
+    if m["role"] == "assistant" and m.get("tool_calls") is not None:
+        message["tool_calls"] = m["tool_calls"]  # checked by validate_messages
+        if content is None:
+            return message
+    if m["role"] == "tool":
+        message["tool_call_id"] = m.get("tool_call_id")
     if not isinstance(content, str):
         raise bad(f"{where}.content", "must be a string or a list of text parts")
-    return {"role": m["role"], "content": content}
+    return message
 
 
 # -- responses ----------------------------------------------------------------------------
@@ -274,7 +307,7 @@ def finish(reason: str | None) -> str | None:
     that a cut reply is never taken for a complete one. OpenAI's clients accept the value."""
     if reason is None:
         return None
-    return reason if reason in ("length", "cancelled") else "stop"
+    return reason if reason in ("length", "cancelled", "tool_calls") else "stop"
 
 
 def chat_chunk(
@@ -315,11 +348,23 @@ class Shape:
     created: int
     include_usage: bool = False
 
-    def whole(self, text: str, reason: str | None, stats: GenerationStats) -> dict[str, Any]:
+    def whole(
+        self,
+        text: str,
+        reason: str | None,
+        stats: GenerationStats,
+        tool_calls: tuple[dict[str, Any], ...] = (),
+    ) -> dict[str, Any]:
         """The non-streamed reply."""
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish(reason)}
         if self.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
+            if tool_calls:
+                choice["message"] = {
+                    "role": "assistant",
+                    "content": text or None,
+                    "tool_calls": list(tool_calls),
+                }
         else:
             choice |= {"text": text, "logprobs": None}
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
@@ -340,9 +385,15 @@ class Shape:
             self.rid, self.model, self.created, {"role": "assistant", "content": ""}, None
         )
 
-    def chunk(self, text: str, reason: str | None) -> dict[str, Any]:
+    def chunk(
+        self, text: str, reason: str | None, calls: tuple[dict[str, Any], ...] = (), first: int = 0
+    ) -> dict[str, Any]:
+        """A streamed piece: text, and the calls completed with it (numbered from
+        ``first``, the calls sent before in this stream), each whole in one delta."""
         if self.kind == "chat":
-            delta = {"content": text} if text else {}
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if calls:
+                delta["tool_calls"] = [{"index": first + i, **c} for i, c in enumerate(calls)]
             return chat_chunk(self.rid, self.model, self.created, delta, reason)
         return completion_chunk(self.rid, self.model, self.created, text, reason)
 

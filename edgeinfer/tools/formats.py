@@ -36,6 +36,7 @@ from typing import Any
 
 from ..errors import InvalidRequestError
 from ..structured_bounds import MAX_GRAMMAR_BYTES
+from .grammar import arguments_rules
 from .spec import Tool, ToolChoice
 
 __all__ = ["GENERIC_PREAMBLE", "CallFormat", "detect_format"]
@@ -78,7 +79,7 @@ class CallFormat:
             head = json.dumps({"name": tool.name, self.arguments_key: 0})[:-2]  # '{..., "k": '
             frame = self._frame(_literal(head), f"args_{i}")
             rules.append(f"call_{i}: {frame}")
-            rules.append(f"args_{i}: %json {json.dumps(dict(tool.parameters))}")
+            rules += arguments_rules(tool.parameters, f"args_{i}")
         more = MAX_PARALLEL_CALLS - 1 if parallel else 0
         rules.insert(0, self._start(more))
         grammar = "\n".join(rules)

@@ -151,13 +151,13 @@ def check_tool_choice(value: Any, tools: Sequence[Tool]) -> ToolChoice:
                 f"{short_repr(value, 40)}; expected one of {', '.join(_CHOICES)} or "
                 '{"type": "function", "function": {"name": ...}}',
             )
-        if value != "none" and not tools:
-            raise refuse("tool_choice", f"{value!r} needs tools; none were given")
-        return ToolChoice(value)
-    function = value.get("function") if isinstance(value, Mapping) else None
-    name = function.get("name") if isinstance(function, Mapping) else None
-    if value.get("type", "function") != "function" if isinstance(value, Mapping) else True:
-        name = None
+        if value == "required" and not tools:
+            raise refuse("tool_choice", "'required' needs tools; none were given")
+        return ToolChoice(value if tools else "none")  # "auto" without tools: no tools
+    name = None
+    if isinstance(value, Mapping) and value.get("type", "function") == "function":
+        function = value.get("function")
+        name = function.get("name") if isinstance(function, Mapping) else None
     if not isinstance(name, str):
         raise refuse(
             "tool_choice",
