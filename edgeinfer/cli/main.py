@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Callable, Sequence
 
 from .. import __version__
-from . import batch, bench, chat, convert, devices, models, run, serve
+from . import batch, bench, chat, convert, devices, embed, models, run, serve
 from .common import configure_logging, run_command
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -19,6 +19,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "bench": bench.cmd_bench,
     "serve": serve.cmd_serve,
     "batch": batch.cmd_batch,
+    "embed": embed.cmd_embed,
 }
 
 
@@ -33,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log what edgeinfer does")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     # the order of `edgeinfer --help`
-    for command in (run, chat, batch, convert, devices, bench, serve, models):
+    for command in (run, chat, batch, embed, convert, devices, bench, serve, models):
         command.add_parser(sub)
     return parser
 
