@@ -67,6 +67,7 @@ def alone(target: str, options: dict[str, Any]) -> tuple[list[tuple[int, ...]], 
         for i, n in enumerate(LENGTHS):
             ids = prompt_ids(model, n, variant=i)
             outs.append(model.generate(ids, **greedy(ban)).token_ids)
+            print(f"  alone: prompt {i} ({n} tokens) done", file=sys.stderr)
         return outs, _info(model)
 
 
@@ -82,6 +83,9 @@ def batched(target: str, options: dict[str, Any]) -> tuple[dict[int, list], dict
                 group = [{"prompt": p} for p in prompts[start : start + size]]
                 results = model.generate_many(group, **greedy(ban))
                 got.extend(r.token_ids for r in results)
+                print(
+                    f"  batch of {size}: prompts {start}..{start + size - 1} done", file=sys.stderr
+                )
             outs[size] = got
         return outs, _info(model)
 

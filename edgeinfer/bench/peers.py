@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import InvalidRequestError
 
-__all__ = ["INSTALL_HINTS", "Peer", "peer_kind", "peers_for", "policy_llama"]
+__all__ = ["INSTALL_HINTS", "Peer", "as_named", "peer_kind", "peers_for", "policy_llama"]
 
 # what to install for each peer
 INSTALL_HINTS = {
@@ -33,6 +33,15 @@ _MODULES = {
 class Peer:
     engine: str  # a key of INSTALL_HINTS
     path: Path  # the file or folder the peer loads
+
+
+def as_named(given: str, path: Path) -> str:
+    """What edgeinfer's run loads: a catalog name as named (``load()`` routes a catalog
+    GGUF by its name: ``--engine``, ``--parallel``), anything else by its resolved path."""
+    from .. import catalog
+
+    named = catalog.lookup(given) is not None and not Path(given).expanduser().exists()
+    return given if named else str(path)
 
 
 def installed(engine: str) -> bool:

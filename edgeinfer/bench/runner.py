@@ -26,7 +26,7 @@ from ..errors import (
     MemoryBudgetError,
     ModelLoadError,
 )
-from .peers import Peer, peers_for
+from .peers import Peer, as_named, peers_for
 from .records import (
     MAX_PARALLEL,
     MAX_RESULT_LINE_BYTES,
@@ -339,6 +339,7 @@ class _Run:
     round: int  # from 0; the warm-up rounds come first
     step: int  # from 1, over the whole benchmark
     parallel: int | None = None  # streams at once; None: the one-stream run
+    given: str = ""  # the model as named: edgeinfer loads it so (a catalog name's route)
 
 
 def run_bench(
@@ -397,7 +398,7 @@ def _bench_model(bench: _Bench, index: int, model: str) -> None:
     configurations = product(s.threads, s.prompt_tokens, s.parallel or (None,), range(bench.rounds))
     for i, (threads, n_prompt, streams, rep) in enumerate(configurations):
         step = index * bench.per_model + i + 1
-        run = _Run(source, threads, n_prompt, rep, step=step, parallel=streams)
+        run = _Run(source, threads, n_prompt, rep, step=step, parallel=streams, given=model)
         ours = _run_edgeinfer(bench, run)
         # peers run what edgeinfer ran: its prompt ids, banned ids, device, context
         handed = {key: ours.get(key) for key in _HANDED}
@@ -429,7 +430,8 @@ def _run_edgeinfer(bench: _Bench, run: _Run) -> dict[str, Any]:
     bench.progress.show(f"{_where(bench, run)} edgeinfer {_label(bench, run)}")
     path = run.source.path
     try:
-        ours = bench.runner({**_spec(bench, run), "engine": "edgeinfer", "model": str(path)})
+        model = as_named(run.given, path)
+        ours = bench.runner({**_spec(bench, run), "engine": "edgeinfer", "model": model})
     except RunFailed as exc:
         cls = _ERRORS.get(exc.kind, BackendUnavailableError)
         raise cls(f"{run.source.name}: {exc}") from None
