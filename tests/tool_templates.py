@@ -49,7 +49,7 @@ Answer a function call as {"name": function name, "parameters": arguments}.
 {%- endif %}
 {%- endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
 
-{% endif %}"""
+{% endif %}"""  # noqa: E501
 
 MISTRAL = """{{ bos_token }}{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}
 {%- for message in messages %}
@@ -58,7 +58,7 @@ MISTRAL = """{{ bos_token }}{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[
 {%- elif message.tool_calls %}[TOOL_CALLS]{{ message.tool_calls | map(attribute='function') | list | tojson }}{{ eos_token }}
 {%- else %}{{ message.content }}{{ eos_token }}
 {%- endif %}
-{%- endfor %}"""
+{%- endfor %}"""  # noqa: E501
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

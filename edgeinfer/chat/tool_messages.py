@@ -29,7 +29,10 @@ MAX_CALLS_PER_MESSAGE = 128
 def arguments_object(value: Any, where: str) -> dict[str, Any]:
     """A call's ``arguments`` (JSON text of an object, or the object) as a dict."""
     if isinstance(value, str):
-        value = parse_json(value, what=where)
+        try:
+            value = parse_json(value, what="its text")
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{where}: {exc}") from None
     elif isinstance(value, Mapping):
         value = json.loads(_dumps(value, where))
     if not isinstance(value, dict):
