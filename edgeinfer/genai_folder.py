@@ -5,8 +5,11 @@ selection, memory plan and generator.
 Such a graph takes ``input_ids``, ``attention_mask`` and ``past_key_values.N.key/value`` and
 returns ``logits`` and ``present.N.key/value``: the names edgeinfer's ONNX backend drives.
 With ``past_present_share_buffer`` (GroupQueryAttention graphs) the cache is one buffer of the
-whole context, written in place. Nothing is written into the folder: the manifest lives in
-memory.
+whole context, written in place. Such a graph whose inputs have a batch axis (the builder's
+``batch_size``) also loads with ``parallel > 1``: one buffer row per sequence slot, each row's
+length read from its mask row. A growing cache (``past_present_share_buffer`` false) drives one
+sequence; the backend refuses it at ``parallel > 1``. Nothing is written into the folder: the
+manifest lives in memory.
 
 The folder comes from a stranger: every file it names is checked to lie inside it (no
 ``..``, no absolute path, no symlink leading out) and to be a regular file before anything
