@@ -386,3 +386,28 @@ def test_parallel_streams_on_a_tiny_model(tiny_llama_gguf: Path) -> None:
                            capture_output=True, text=True, timeout=600)  # fmt: skip
     assert table.returncode == 0, table.stderr
     assert "TTFT p95 ms" in table.stdout and "tg t/s per stream" in table.stdout
+
+
+# -- what edgeinfer's run loads ---------------------------------------------------------------
+
+
+def test_a_catalog_name_is_loaded_by_its_name(tmp_path: Path) -> None:
+    from edgeinfer import catalog
+    from edgeinfer.bench.peers import as_named
+
+    path = tmp_path / "m.gguf"
+    assert as_named(catalog.DEFAULT_MODEL, path) == catalog.DEFAULT_MODEL  # routed by name
+    assert as_named(str(path), path) == str(path)
+    assert as_named("not-in-the-catalog", path) == str(path)
+
+
+def test_engine_reaches_the_runs(tiny_llama_gguf: Path, tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime_genai")
+    runner = Recorded()
+    s = BenchSettings(models=(str(tiny_llama_gguf),), prompt_tokens=(8,), new_tokens=4,
+                      repetitions=1, warmup=0, threads=(1,), parallel=(2,), compare=True,
+                      peer_models=(str(genai_folder(tmp_path)),), engine="llama.cpp")  # fmt: skip
+    run_bench(s, runner=runner, progress=Quiet(), machine={})
+    assert [x.get("route") for x in runner.specs] == ["llama.cpp", "llama.cpp"]
+    with pytest.raises(InvalidRequestError, match="--engine 'vulkan' is invalid"):
+        BenchSettings(models=("m",), engine="vulkan").checked()
