@@ -533,3 +533,24 @@ def test_default_model_required_calls_all_validate(default_model: Model, _: int)
         for call in answer.tool_calls:
             assert_valid(call)
         assert answer.text or answer.tool_calls or answer.tool_call_error
+
+
+def test_run_prints_the_call_as_json(tiny_llama_gguf: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    pytest.importorskip("llama_cpp")
+    (tmp_path / "tools.json").write_text(json.dumps([TINY_TOOL]))
+    (tmp_path / "hermes.jinja").write_text(TINY_HERMES)
+    argv = [sys.executable, "-m", "edgeinfer.cli", "run", str(tiny_llama_gguf), "-p", "Time?",
+            "--tools", str(tmp_path / "tools.json"), "--tool-choice", "t", "--seed", "1",
+            "--chat-template", str(tmp_path / "hermes.jinja"), "--context-length", "256",
+            "--threads", "1", "--max-new-tokens", "120"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    call = json.loads(done.stdout.strip().splitlines()[-1])
+    assert_valid(call, [TINY_TOOL])
+    done = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=300)
+    record = json.loads(done.stdout)
+    assert record["finish_reason"] == "tool_calls" and record["tool_call_error"] is None
+    assert_valid(record["tool_calls"][0], [TINY_TOOL])
