@@ -13,7 +13,6 @@ enters; the safetensors header too, before any tensor is mapped.
 
 from __future__ import annotations
 
-import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from .bounded_json import parse_json, read_json_file
 from .errors import ModelLoadError, short_repr
 
 __all__ = [
@@ -120,17 +120,11 @@ def read_encoder_folder(path: Path) -> EncoderFolder:
     )
 
 
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        if path.stat().st_size > _MAX_JSON_BYTES:
-            raise ModelLoadError(f"{path} is larger than {_MAX_JSON_BYTES} bytes: not a config")
-        value = json.loads(path.read_bytes())
-    except OSError as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    except (ValueError, RecursionError) as exc:
-        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise ModelLoadError(f"{path} must hold a JSON object")
+def _json(path: Path, kind: type = dict) -> Any:
+    """A JSON file of the folder, bounded (``bounded_json``), holding a ``kind``."""
+    value = read_json_file(path, max_bytes=_MAX_JSON_BYTES, error=ModelLoadError)
+    if not isinstance(value, kind):
+        raise ModelLoadError(f"{path} must hold a JSON {'object' if kind is dict else 'list'}")
     return value
 
 
@@ -164,8 +158,8 @@ def _encoder_config(raw: dict[str, Any], where: Path) -> EncoderConfig:
 
 def _pipeline(path: Path) -> tuple[str, bool]:
     """The pooling and whether the folder's pipeline normalizes, from modules.json."""
-    modules = json.loads((path / "modules.json").read_bytes() or b"[]")
-    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+    modules = _json(path / "modules.json", list)
+    if not all(isinstance(m, dict) for m in modules):
         raise ModelLoadError(f"{path / 'modules.json'} must be a list of module objects")
     kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
     pooling_dirs = [m.get("path") for m in modules if str(m.get("type", "")).endswith("Pooling")]
@@ -204,10 +198,7 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         (n,) = struct.unpack("<Q", head)
         if not 2 <= n <= min(_MAX_HEADER_BYTES, size - 8):
             raise ModelLoadError(f"{path}: header length {n} is not plausible")
-        try:
-            header = json.loads(fh.read(n))
-        except (ValueError, RecursionError) as exc:
-            raise ModelLoadError(f"{path}: the header is not JSON: {exc}") from exc
+        header = parse_json(fh.read(n), what=f"the header of {path}", error=ModelLoadError)
     if not isinstance(header, dict):
         raise ModelLoadError(f"{path}: the header is not a JSON object")
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
