@@ -137,6 +137,16 @@ def versions() -> dict[str, str]:
     return found
 
 
+def earlier_results(path: Path, measured: set[str]) -> list[dict[str, Any]]:
+    """The results of routes not measured now, from an earlier run's file (``--routes``
+    measures one route at a time into the same file)."""
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [r for r in earlier.get("results", []) if r.get("route") not in measured]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-o", "--output", type=Path, default=OUT)
@@ -153,6 +163,7 @@ def main() -> int:
         target, options = targets[route]
         print(f"{route}: {target}", file=sys.stderr)
         result = measure(route, target, options)
+        result["command"] = ["python", "benchmarks/batch_exactness.py", "--routes", route]
         for size, row in result["by_batch_size"].items():
             same = f"{row['identical']}/{row['sequences']} identical"
             where = f"earliest difference at {row['earliest_difference']}"
@@ -173,6 +184,8 @@ def main() -> int:
         },
         "results": results,
     }
+    kept = earlier_results(args.output, {r["route"] for r in results})
+    record["results"] = kept + results
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(record, indent=1) + "\n")
     print(f"written to {args.output}", file=sys.stderr)
