@@ -19,13 +19,12 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING
+from typing import Any
 
 from .errors import ModelFetchError
 from .progress import Progress
 
-if TYPE_CHECKING:
-    from .catalog import CatalogEntry
+CatalogEntry = Any  # catalog.CatalogEntry (not imported: catalog imports this module)
 
 __all__ = ["fetch_folder"]
 
