@@ -147,8 +147,39 @@ def _single(path: Path, source: str | None, n: int) -> dict[str, Any]:
     for _ in range(n):
         logits = backend.decode(int(np.argmax(logits)))
         stamps.append(time.perf_counter())
+    overhead = _python_us_per_decode(backend)
     backend.close()
-    return {"decode_tok_s": (n - 1) / (stamps[-1] - stamps[0])}
+    return {"decode_tok_s": (n - 1) / (stamps[-1] - stamps[0]), "python_us_per_decode": overhead}
+
+
+class _NoCompute:
+    """The engine module with ``llama_decode`` doing nothing: what is left of ``decode`` is
+    the backend's own Python work (CPU time, so a busy machine's waits do not count)."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def llama_decode(self, ctx: Any, batch: Any) -> int:
+        return 0
+
+
+def _python_us_per_decode(backend: Any, calls: int = 20000) -> float:
+    real = backend._llama
+    backend._llama = _NoCompute(real)
+    backend.rewind(0)
+    best = float("inf")
+    for _ in range(5):
+        start = time.process_time()
+        for i in range(calls):
+            backend.decode(7)
+            if i % 500 == 499:
+                backend.rewind(0)
+        best = min(best, (time.process_time() - start) / calls * 1e6)
+    backend._llama = real
+    return best
 
 
 def _worker(job: dict[str, Any]) -> dict[str, Any]:
@@ -186,16 +217,22 @@ def _singles(path: Path, rev: str, rounds: int, n: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         before = _before_source(rev, Path(folder))
         runs: dict[str, list[float]] = {"before": [], "after": []}
+        python_us: dict[str, list[float]] = {"before": [], "after": []}
         for _ in range(rounds):
             for name, source in (("before", before), ("after", None)):
                 job = {"kind": "single", "path": str(path), "source": source, "n": n}
-                runs[name].append(_run(job)["decode_tok_s"])
+                done = _run(job)
+                runs[name].append(done["decode_tok_s"])
+                python_us[name].append(done["python_us_per_decode"])
     med = {name: statistics.median(v) for name, v in runs.items()}
+    us = {name: min(v) for name, v in python_us.items()}
     return {
         "before_rev": rev,
         "decode_tok_s": runs,
         "median": med,
         "after_vs_before": med["after"] / med["before"],
+        "python_us_per_decode": python_us,
+        "python_us_added_per_token": us["after"] - us["before"],
     }
 
 
@@ -208,6 +245,9 @@ def main() -> None:
     parser.add_argument("--n-single", type=int, default=64, help="tokens per one-stream run")
     parser.add_argument("--before", default="e4aa201", help="git revision of the old backend")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--single-only", action="store_true", help="re-measure the one-stream part into --out"
+    )
     parser.add_argument("--out", default="benchmarks/results/llama_slots_step.json")
     args = parser.parse_args()
     if args.worker:
@@ -219,6 +259,13 @@ def main() -> None:
 
     path = catalog.fetch(catalog.DEFAULT_MODEL)
     variants = [(False, False), (True, False), (False, True), (True, True)]
+    if args.single_only:
+        record = json.loads(Path(args.out).read_text())
+        record["single"] = _singles(path, args.before, args.rounds, args.n_single)
+        record["single"]["measured"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+        print(json.dumps(record["single"]))
+        return
     record: dict[str, Any] = {
         "model": catalog.DEFAULT_MODEL,
         "file": path.name,
