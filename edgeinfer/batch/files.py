@@ -38,6 +38,7 @@ __all__ = ["OutputFile", "count_lines", "read_rows", "recover"]
 log = logging.getLogger(__name__)
 
 _SYNC_EVERY_S = 1.0
+_MAX_RECORD_BYTES = 64 << 20  # a record holds one reply; a longer line is not a record
 _RECORD_DEPTH = 80  # a record holds `parsed`, whose depth the structured-output bounds limit
 
 
@@ -173,7 +174,9 @@ def recover(path: Path) -> Counter[str]:
     done: Counter[str] = Counter()
     with _open_regular(path, "the output") as f:
         good = 0  # bytes of whole lines
-        for n, raw in enumerate(iter(f.readline, b""), start=1):
+        for n, raw in enumerate(iter(lambda: f.readline(_MAX_RECORD_BYTES + 1), b""), start=1):
+            if len(raw) > _MAX_RECORD_BYTES:
+                _record_key(b"", n, path)  # longer than any record: refused, unread
             if not raw.endswith(b"\n"):
                 break
             done[_record_key(raw, n, path)] += 1
