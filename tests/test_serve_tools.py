@@ -198,7 +198,7 @@ def test_default_model_forced_calls_validate_through_the_server(default_gguf: Pa
         messages: list[Any] = [{"role": "user", "content": "Weather in Oslo tomorrow?"}]
         first = client.chat.completions.create(
             model="default", messages=messages, tools=[weather], tool_choice="required",
-            max_tokens=100, temperature=0,
+            max_tokens=100, temperature=0, parallel_tool_calls=False,
         )  # fmt: skip
         assert first.choices[0].finish_reason == "tool_calls"
         for call in first.choices[0].message.tool_calls:
