@@ -59,20 +59,17 @@ def load(
     ``BackendUnavailableError`` unless ``allow_fallback=True``. ``model.info["fallback_chain"]``
     says what was chosen and why.
 
-    ``parallel`` is how many sequences the model generates at once (sequence slots sharing
-    the weights, each with its own KV cache of ``context_length`` tokens): requests from many
-    threads, ``model.generate_many`` and ``edgeinfer serve`` batch up to that many in one
-    forward pass. An integer from 1 (the default: one at a time) to 256, or "auto": the most
-    slots, up to 8, that the memory budget holds with at least 2048 tokens of context each
-    (or ``context_length`` if given); ``model.parallel`` says what was chosen.
+    ``parallel``: sequences generated at once (slots sharing the weights, each with its own
+    KV cache of ``context_length`` tokens; threads, ``generate_many`` and ``edgeinfer serve``
+    batch up to that many per forward pass): 1 (the default) to 256, or "auto": the most
+    slots, up to 8, the budget holds with 2048 tokens each (or ``context_length``).
 
-    ``engine`` picks what runs a GGUF: "auto" (the rule below), "llama.cpp" (the file, always)
-    or "onnxruntime" (its exact ONNX transcode; catalog names only). With "auto" a catalog
-    GGUF runs on llama.cpp, except through its exact ONNX transcode (the same blocks, built
-    once) when llama.cpp is not installed, when the device is one only ONNX Runtime drives,
-    or when ``parallel > 1`` on the CPU with onnxruntime and onnx installed: that graph
-    batches about 2x better on a CPU than llama.cpp does. A GGUF named by its path runs on
-    llama.cpp. ``model.info["route"]`` says which route was taken and why.
+    ``engine`` picks what runs a GGUF: "auto", "llama.cpp" (the file) or "onnxruntime" (its
+    exact ONNX transcode; catalog names only). With "auto" a catalog GGUF runs on llama.cpp,
+    but on its transcode (the same blocks, built once) without llama.cpp, on a device only
+    ONNX Runtime drives, or at ``parallel > 1`` on the CPU with onnxruntime and onnx
+    installed: it batches about 2x better there (``routes.py``). ``model.info["route"]``
+    says which route was taken and why.
 
     Memory is planned before anything is allocated (``model.info["memory_plan"]``):
     ``memory_budget`` (bytes or "512MB", "1.5GiB"; default: what the process uses now plus
@@ -89,17 +86,24 @@ def load(
     check_engine(engine)
     if parallel != "auto":
         parallel = check_parallel(parallel)
-    config = LoadConfig(
-        device=device,
-        context_length=context_length,
-        threads=threads,
-        flash_attention=flash_attention,
-    )
+    config = LoadConfig(device=device, context_length=context_length, threads=threads,
+                        flash_attention=flash_attention)  # fmt: skip
     named = resolve(model)
     if named.format == "encoder":  # an embedding model (embedding_load.py): no KV cache, slots
         return load_encoder(named, config, memory_budget, allow_fallback)
     source, route, config = _routed(model, named, config, memory_budget, parallel, engine)
     backend, chain = _open(source, config, allow_fallback)
+    return _model(backend, source, chain, config, route, context_overflow)
+
+
+def _model(
+    backend: Backend,
+    source: ModelSource,
+    chain: list[dict[str, Any]],
+    config: LoadConfig,
+    route: Route,
+    context_overflow: str,
+) -> Model:
     memory_plan = config.fit_context.plan
     logger.info("%s memory plan: %s", source.name, memory_plan.describe())
     logger.info("%s route: %s", source.name, route.why)

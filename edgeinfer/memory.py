@@ -254,6 +254,7 @@ class _Sizing:
         compute = int(
             costs.score_bytes * (batch + decoding) * ctx * shape.n_heads
             + costs.logits_per_batch_token * batch * shape.n_vocab
+            + costs.batch_token_bytes * batch
             + SLOT_LOGITS_BYTES * decoding * shape.n_vocab
             + costs.compute_fixed_bytes
             + costs.thread_bytes * self.fixed.threads

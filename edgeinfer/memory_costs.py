@@ -36,6 +36,7 @@ class EngineCosts:
     thread_bytes: int  # per compute thread: stack, allocator arena, kernel scratch
     logits_per_batch_token: int  # bytes of logits computed per prefill token (x vocab)
     weight_factor: dict[str, float]  # resident weights / bytes on disk, per quantization
+    batch_token_bytes: int = 0  # per prefill token: activations besides scores and logits
 
 
 COSTS = {
@@ -84,12 +85,18 @@ COSTS = {
 # `python benchmarks/bench_memory.py --model <native folder> --budgets 512MB 768MB 1GB` on the
 # default model: peak - at load - KV = 46 / 49 / 62 MB at (context, batch) 1280/64, 2048/256,
 # 2048/512, so no second cache instance and no per-token logits; onnxruntime pre-packs the
-# MatMulNBits weights beside the mapped file (at load: 1.6x the weight file).
+# MatMulNBits weights beside the mapped file (at load: 1.6x the weight file). Re-measured
+# with a prompt spread over the vocabulary filling the context (issue 23, onnxruntime 1.32,
+# native graphs with and without the batch axis, 1 to 8 slots, 2 threads): peak - at load -
+# KV = 79 MB at batch 256 and 97-99 MB at batch 512 (contexts 512..1024): ~74 KB per prefill
+# token (int8 activations and GEMM packing of MatMulNBits at accuracy level 4) over ~60 MB,
+# above the 40 MiB first fitted; hence 48 MiB + 80 KiB per prefill token.
 COSTS["onnx-shared"] = dataclasses.replace(
     COSTS["onnx"],
     kv_factor=1.0,
     score_bytes=2.0,
-    compute_fixed_bytes=40 * MiB,
+    compute_fixed_bytes=48 * MiB,
+    batch_token_bytes=80 * 1024,
     logits_per_batch_token=0,
     weight_factor={"gguf-blocks": 1.6, "default": 1.6},
 )
