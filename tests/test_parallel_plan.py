@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import edgeinfer
+from edgeinfer import catalog
 from edgeinfer.config import LoadConfig
 from edgeinfer.errors import InvalidRequestError, MemoryBudgetError, ModelLoadError
 from edgeinfer.loader import resolve, route_for, runs_as_onnx
@@ -397,6 +398,7 @@ def test_a_load_that_cannot_hold_its_slots_is_refused_before_loading(
 CHILD = r"""
 import json, sys, threading
 import edgeinfer
+from edgeinfer import catalog
 from edgeinfer.rss import peak_rss
 model, budget, slots = sys.argv[1], sys.argv[2], int(sys.argv[3])
 with edgeinfer.load(model, memory_budget=budget, threads=2, parallel=slots) as llm:
@@ -437,3 +439,16 @@ def test_four_concurrent_sequences_stay_within_the_budget(default_gguf: Path) ->
     assert out["planned"] <= out["budget"] == budget
     assert out["peak"] <= budget, out
     assert out["finish"] == ["length"] * slots  # every slot's context filled
+
+
+@pytest.mark.model
+def test_a_catalog_gguf_at_parallel_2_runs_its_onnx_transcode(default_gguf: Path) -> None:
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    kw: dict[str, Any] = {"parallel": 2, "context_length": 256, "threads": 1}
+    with edgeinfer.load(catalog.DEFAULT_MODEL, **kw) as model:
+        route = model.info["route"]
+        assert (route["format"], route["from"]) == ("onnx", "gguf")
+        assert "parallel=2" in route["why"] and model.parallel == 2
+    with edgeinfer.load(catalog.DEFAULT_MODEL, engine="llama.cpp", **kw) as model:
+        assert model.info["route"]["format"] == "gguf" and model.parallel == 2
