@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +62,15 @@ class EncoderBackend:
             raise ModelLoadError(f"cannot read the tokenizer {folder.tokenizer}: {exc}") from exc
         self._batch_tok.no_padding()
         self._batch_tok.no_truncation()  # lengths before truncation are measured, then cut
-        self._lock = threading.Lock()  # one run at a time: the session's threads are the pool
-        self._session = _session(ort, encoder.graph, config.resolved_threads, candidate)
+        self._lock = threading.Lock()  # one batch at a time
+        self._threads = max(1, config.resolved_threads)
+        # Threads split a batch's rows, each part one single-threaded run of the same session
+        # (onnxruntime runs them concurrently): no barrier per operator between threads, so
+        # a thread the OS takes away delays only its part; measured faster than the
+        # operator-level threads on short texts, more so on a busy machine
+        # (benchmarks/embeddings.py). Each part is cut to its own longest text.
+        self._pool = ThreadPoolExecutor(self._threads) if self._threads > 1 else None
+        self._session = _session(ort, encoder.graph, 1, candidate)
         self._info = {
             "backend": "onnxruntime",
             "kind": "embedding",
@@ -93,16 +101,34 @@ class EncoderBackend:
         return seqs, [len(e.ids) for e in encodings]
 
     def hidden_states(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """The last hidden state float32 [B, S, H] of ids and mask int32 [B, S]."""
+        """The last hidden state float32 [B, S, H] of ids and mask int32 [B, S] (right
+        padding; rows past a text's length are zeros)."""
         with self._lock:
-            if self._session is None:
+            session = self._session
+            if session is None:
                 raise ModelLoadError("the model is closed; load it again")
-            (hidden,) = self._session.run(None, {"input_ids": ids, "attention_mask": mask})
-        return np.asarray(hidden)
+            parts = np.array_split(np.arange(ids.shape[0]), min(self._threads, ids.shape[0]))
+
+            def run(rows: np.ndarray) -> np.ndarray:
+                width = max(1, int(mask[rows].sum(1).max()))
+                feeds = {"input_ids": ids[rows, :width], "attention_mask": mask[rows, :width]}
+                return np.asarray(session.run(None, feeds)[0])
+
+            outs = (
+                list(self._pool.map(run, parts))
+                if self._pool and len(parts) > 1
+                else [run(parts[0])]
+            )
+        hidden = np.zeros((*ids.shape, outs[0].shape[-1]), np.float32)
+        for rows, out in zip(parts, outs, strict=True):
+            hidden[rows, : out.shape[1]] = out
+        return hidden
 
     def close(self) -> None:
         with self._lock:
             self._session = None
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
 
 
 def _session(ort: Any, graph: Path, threads: int, candidate: Any) -> Any:

@@ -103,12 +103,18 @@ def test_normalize_off_and_weights_with_a_bert_prefix(tmp_path: Path) -> None:
     assert not np.allclose(np.linalg.norm(got, axis=1), 1.0)
 
 
-def test_batches_and_order_do_not_change_a_vector(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", [1, 3])
+def test_batches_threads_and_order_do_not_change_a_vector(tmp_path: Path, threads: int) -> None:
+    """With several threads a batch's rows are split into concurrent runs, each cut to its
+    own longest text."""
     folder = make_bert_folder(tmp_path / "bert")
-    with edgeinfer.load(folder, threads=1) as model:
+    with edgeinfer.load(folder, threads=threads) as model:
         whole = model.embed(TEXTS, batch_size=len(TEXTS))
         ones = model.embed(TEXTS, batch_size=1)
         single = np.stack([model.embed(t)[0] for t in reversed(TEXTS)])[::-1]
+        odd = model.embed(TEXTS * 3, batch_size=5)  # parts of unequal size
+    np.testing.assert_allclose(odd, np.concatenate([whole] * 3), atol=1e-5)
+    np.testing.assert_allclose(whole, expected(folder, TEXTS), atol=2e-5)
     np.testing.assert_allclose(whole, ones, atol=1e-5)
     np.testing.assert_allclose(whole, single, atol=1e-5)
 
