@@ -3,8 +3,8 @@
 Callers (threads, the server, a batch job) submit requests; each step the loop
 
 1. admits waiting requests, first come first served, into free slots (the free slot whose
-   cache shares the longest prefix with the prompt, so prefix reuse stays per slot and exact
-   by ``KVHistory``'s rule);
+   cache holds a reusable prefix of the prompt, so prefix reuse stays per slot and exact by
+   ``KVHistory``'s rule; else the lowest free slot, keeping busy slots neighbours);
 2. ends sequences whose caller cancelled or went away;
 3. runs one forward pass (``decode_many``) carrying the next token of every decoding slot;
 4. reads a chunk of one prefilling slot's prompt: the whole rest when nothing decodes, else a
@@ -197,7 +197,7 @@ class Engine:
             if not free:
                 break
             request = self._waiting.popleft()
-            slot = max(free, key=lambda s: _shared_prefix(s.history.tokens, request.ids))
+            slot = _slot_for(free, request.ids)
             slot.request = request
             admitted.append(slot)
         return admitted
@@ -356,6 +356,16 @@ def _consume(request: _Request) -> Iterator[Chunk]:
                 return
     finally:
         request.cancel.set()
+
+
+def _slot_for(free: list[_Slot], ids: list[int]) -> _Slot:
+    """The free slot whose cache holds the longest reusable prefix of ``ids``; without one,
+    the lowest free slot, so busy slots stay neighbours (backends run a step over a span of
+    rows: llama.cpp splits it at every gap, the ONNX graph pads the gaps)."""
+    best = max(free, key=lambda s: _shared_prefix(s.history.tokens, ids))
+    if _shared_prefix(best.history.tokens, ids) >= REUSE_GRANULE:
+        return best
+    return free[0]
 
 
 def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -121,9 +121,10 @@ def test_leaving_a_stream_frees_its_slot() -> None:
     while model.activity["busy"] and time.monotonic() < deadline:
         time.sleep(0.01)
     assert model.activity["busy"] == 0
-    assert model.generate(PROMPTS[1], max_new_tokens=8, temperature=0).text == alone(
-        PROMPTS[1], max_new_tokens=8, temperature=0
-    )[0]
+    assert (
+        model.generate(PROMPTS[1], max_new_tokens=8, temperature=0).text
+        == alone(PROMPTS[1], max_new_tokens=8, temperature=0)[0]
+    )
 
 
 def test_wait_false_raises_when_every_slot_is_busy() -> None:
@@ -174,9 +175,10 @@ def test_a_failed_forward_pass_ends_the_running_sequences_and_the_model_goes_on(
     for s in streams:
         with pytest.raises(RuntimeError, match="engine failed"):
             s.collect()
-    assert model.generate(PROMPTS[2], max_new_tokens=6, temperature=0).text == alone(
-        PROMPTS[2], max_new_tokens=6, temperature=0
-    )[0]
+    assert (
+        model.generate(PROMPTS[2], max_new_tokens=6, temperature=0).text
+        == alone(PROMPTS[2], max_new_tokens=6, temperature=0)[0]
+    )
 
 
 def test_a_full_context_ends_each_sequence_with_length_or_slides() -> None:
@@ -205,3 +207,17 @@ def test_close_ends_running_streams_and_refuses_new_requests() -> None:
     assert backend.closed
     with pytest.raises(EdgeInferError, match="closed"):
         model.generate(PROMPTS[1])
+
+
+def test_new_sequences_take_the_lowest_free_slot_unless_another_holds_their_prefix() -> None:
+    model, backend = slotted(4)
+    backend.delay = 0.002
+    long_a, long_b = "a" * 80, "b" * 80
+    model.generate_many([long_a, long_b], max_new_tokens=4, temperature=0)  # slots 0 and 1
+    backend.steps.clear()
+    result = model.generate(long_b + " again", max_new_tokens=4, temperature=0)
+    assert result.stats.reused_prompt_tokens >= 64  # went back to slot 1, which holds long_b
+    assert {s[1] for s in backend.steps if s[0] == "prefill"} == {1}
+    backend.steps.clear()
+    model.generate("c" * 80, max_new_tokens=4, temperature=0)  # no prefix anywhere: slot 0
+    assert {s[1] for s in backend.steps if s[0] == "prefill"} == {0}
