@@ -5,8 +5,7 @@
   ``load_model``, the figures line, logging, and errors as one line on stderr (status 1).
 - one module per command, each with ``add_parser(sub)`` and ``cmd_<name>(args)``: ``run``,
   ``chat``, ``models``, ``convert``, ``devices``, ``serve``, ``bench``, ``batch``, ``embed``. No
-  command module
-  imports another.
+  command module imports another.
 """
 
 from .main import main
