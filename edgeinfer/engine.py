@@ -227,10 +227,26 @@ class Engine:
             self._slide(slot)
         if decoding:
             self._decode(decoding)
-        prefilling = [slot for slot in self._slots if slot.pending]
-        if prefilling:
-            busy = sum(1 for slot in self._slots if slot.token is not None)
-            self._prefill(prefilling[0], busy)
+        self._prefill_some()
+
+    def _prefill_some(self) -> None:
+        """Read prompts within the step's token budget: when no sequence decodes, every
+        prompt whole, taking in requests that arrive meanwhile (a burst then decodes together
+        from its first step); else chunks of them, oldest first, beside the decoding ones."""
+        decoding = sum(1 for slot in self._slots if slot.token is not None)
+        budget = None if decoding == 0 else max(REUSE_GRANULE, self._max_step - decoding)
+        while True:
+            prefilling = [slot for slot in self._slots if slot.pending]
+            if not prefilling and budget is None:
+                with self._cond:
+                    admitted = self._admit()
+                for slot in admitted:
+                    self._start(slot)
+                prefilling = [slot for slot in self._slots if slot.pending]
+            if not prefilling or (budget is not None and budget < REUSE_GRANULE):
+                return
+            slot = min(prefilling, key=_submitted)
+            budget = self._prefill(slot, budget)
 
     def _decode(self, decoding: list[_Slot]) -> None:
         assert all(slot.token is not None for slot in decoding)
@@ -243,22 +259,23 @@ class Engine:
             slot.history.tokens.append(steps[i][1])
             self._advance(slot, rows[i])
 
-    def _prefill(self, slot: _Slot, decoding: int) -> None:
-        """Read the next chunk of ``slot``'s prompt; once it is all read, take the first
-        token."""
-        if decoding == 0:
+    def _prefill(self, slot: _Slot, budget: int | None) -> int | None:
+        """Read the next chunk of ``slot``'s prompt (all of it when ``budget`` is None, else
+        at most ``budget`` tokens, ending at a multiple of ``REUSE_GRANULE``); once it is all
+        read, take the first token. Returns the budget left."""
+        if budget is None:
             chunk = slot.pending
         else:
-            room = max(REUSE_GRANULE, self._max_step - decoding)
-            room -= room % REUSE_GRANULE
-            chunk = slot.pending[: room - slot.done % room]  # ends at a multiple of room
+            end = (slot.done + budget) - (slot.done + budget) % REUSE_GRANULE
+            chunk = slot.pending[: max(end - slot.done, 1)]
+            budget -= len(chunk)
         try:
             logits = slot.view.prefill(chunk)
         except BaseException as exc:
             slot.history = KVHistory()
             _rewind_quietly(slot.view)
             self._end(slot, exc)
-            return
+            return budget
         slot.done += len(chunk)
         slot.pending = slot.pending[len(chunk) :]
         request = slot.request
@@ -268,6 +285,7 @@ class Engine:
         if not slot.pending:
             slot.seq.t_first = slot.seq.t_last = time.perf_counter()
             self._advance(slot, logits)
+        return budget
 
     def _advance(self, slot: _Slot, logits: np.ndarray) -> None:
         """Hand one position's logits to the slot's sequence; deliver what it makes."""
@@ -356,6 +374,10 @@ def _consume(request: _Request) -> Iterator[Chunk]:
                 return
     finally:
         request.cancel.set()
+
+
+def _submitted(slot: _Slot) -> float:
+    return slot.request.t_submit if slot.request is not None else 0.0
 
 
 def _slot_for(free: list[_Slot], ids: list[int]) -> _Slot:

@@ -122,6 +122,7 @@ class FakeSlotBackend(FakeBackend):
         self.steps: list[tuple[Any, ...]] = []
         self.fail_next_decode = False
         self.delay = 0.0  # seconds each forward pass takes (a slow engine)
+        self.prefill_gate: Any = None  # a threading.Event each prefill waits for, if set
 
     @property
     def n_slots(self) -> int:
@@ -134,6 +135,8 @@ class FakeSlotBackend(FakeBackend):
         self.cache = self._slot_caches[slot]
 
     def prefill(self, token_ids: Sequence[int], slot: int = 0) -> np.ndarray:
+        if self.prefill_gate is not None:
+            self.prefill_gate.wait(30)
         self._with(slot)
         self.steps.append(("prefill", slot, len(token_ids)))
         return super().prefill(token_ids)

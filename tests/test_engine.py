@@ -221,3 +221,24 @@ def test_new_sequences_take_the_lowest_free_slot_unless_another_holds_their_pref
     backend.steps.clear()
     model.generate("c" * 80, max_new_tokens=4, temperature=0)  # no prefix anywhere: slot 0
     assert {s[1] for s in backend.steps if s[0] == "prefill"} == {0}
+
+
+def test_a_burst_of_requests_is_read_whole_before_it_decodes_together() -> None:
+    model, backend = slotted(4)
+    gate = threading.Event()
+    backend.prefill_gate = gate  # the first prefill waits until the whole burst is queued
+    results: list[object] = []
+    burst = threading.Thread(
+        target=lambda: results.extend(model.generate_many(PROMPTS[:4], max_new_tokens=8)),
+    )
+    burst.start()
+    deadline = time.monotonic() + 30
+    while sum(model.activity[k] for k in ("busy", "queued")) < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    gate.set()
+    burst.join(30)
+    assert len(results) == 4
+    kinds = [step[0] for step in backend.steps]
+    assert kinds[:4] == ["prefill"] * 4  # all four prompts read in the first step
+    assert decode_batches(backend)[0] == (0, 1, 2, 3)  # then they decode together
