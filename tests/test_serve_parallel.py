@@ -312,7 +312,9 @@ def test_concurrent_streams_each_equal_their_reply_alone(slots: int) -> None:
             assert finish == "length" and usage["completion_tokens"] == 16
         batched = [s for s in live.backend.steps if s[0] == "decode" and len(s[1]) > 1]
         assert max(len(s[1]) for s in batched) == slots  # every slot in one forward pass
-        assert len(live.lines(r"path=/v1/completions stream=True status=200")) == 8
+        # each request's access line is written once its reply has gone out: wait for it
+        done = r"path=/v1/completions stream=True status=200"
+        _wait_for(lambda: len(live.lines(done)) == 8, what="8 access lines")
 
 
 def _admitted(live: Live) -> int:
@@ -628,7 +630,7 @@ def _answers(url: str) -> bool:
 @cases(300)
 @given(value=st.text(max_size=12) | st.integers(-5, 400).map(str))
 def test_parallel_flag_is_a_slot_count_or_auto(value: str) -> None:
-    from edgeinfer.cli.serve import _parallel
+    from edgeinfer.cli.common import parse_parallel as _parallel
     from edgeinfer.errors import InvalidRequestError
 
     text = value.strip()

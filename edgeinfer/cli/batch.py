@@ -10,18 +10,18 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidRequestError
-from ..serve.wire import shown
 from .common import (
     MODEL_HELP,
     add_chat_template_flag,
     add_model_flags,
     add_sampling_flags,
+    load_options,
+    parse_parallel,
     sampling_kwargs,
 )
 
 __all__ = ["add_parser", "cmd_batch"]
 
-_MAX_PARALLEL = 256  # LoadConfig's bound on sequence slots
 _ROWS = (
     "Each line of IN is one JSON object: id (text or integer; default: the line number), "
     "prompt (text) or messages (a chat), and any of max_tokens, temperature, top_p, top_k, "
@@ -72,39 +72,12 @@ def add_parser(sub: Any) -> None:
     add_model_flags(p)
 
 
-def _parallel(value: str) -> int | str:
-    """--parallel as ``load`` takes it: an integer from 1 to 256, or "auto"."""
-    text = str(value).strip()
-    if text.lower() == "auto":
-        return "auto"
-    if text.isascii() and text.isdigit() and 1 <= int(text) <= _MAX_PARALLEL:
-        return int(text)
-    raise InvalidRequestError(
-        f"--parallel {shown(text)} is invalid: give a number of sequence slots from 1 to "
-        f"{_MAX_PARALLEL}, or auto"
-    )
-
-
-def _load_options(args: argparse.Namespace, parallel: int | str) -> dict[str, Any]:
-    options: dict[str, Any] = {
-        "device": args.device,
-        "allow_fallback": args.allow_fallback,
-        "memory_budget": args.memory_budget,
-        "context_overflow": args.context_overflow,
-        "context_length": args.context_length,
-        "threads": args.threads,
-    }
-    if parallel != 1:  # at 1 the model loads exactly as the other commands load it
-        options["parallel"] = parallel
-    return options
-
-
 def cmd_batch(args: argparse.Namespace) -> int:
-    parallel = _parallel(args.parallel)
+    parallel = parse_parallel(args.parallel)
     if args.ray_actors < 1:
         raise InvalidRequestError(f"--ray-actors {args.ray_actors} must be 1 or more")
     sampling = sampling_kwargs(args)
-    options = _load_options(args, parallel)
+    options = load_options(args, parallel)
     template = _template(args)
     try:
         summary = _run(args, options, template, sampling)

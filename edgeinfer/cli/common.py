@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import EdgeInferError, InvalidRequestError
+from ..errors import EdgeInferError, InvalidRequestError, short_repr
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
@@ -144,18 +144,42 @@ def _response_format(args: argparse.Namespace) -> dict[str, Any] | None:
     return None
 
 
-def load_model(args: argparse.Namespace) -> Any:
-    """The model the model flags (add_model_flags) name."""
+def load_options(args: argparse.Namespace, parallel: int | str = 1) -> dict[str, Any]:
+    """``load()``'s keywords from the model flags (add_model_flags); ``parallel`` only when
+    it is not 1, so at 1 every command loads a model the same way."""
+    options: dict[str, Any] = {
+        "device": args.device,
+        "allow_fallback": args.allow_fallback,
+        "memory_budget": args.memory_budget,
+        "context_overflow": args.context_overflow,
+        "context_length": args.context_length,
+        "threads": args.threads,
+    }
+    if parallel != 1:
+        options["parallel"] = parallel
+    return options
+
+
+def load_model(args: argparse.Namespace, parallel: int | str = 1) -> Any:
+    """The model the model flags (add_model_flags) name, with ``parallel`` sequence slots."""
     from ..loader import load
 
-    return load(
-        args.model,
-        device=args.device,
-        allow_fallback=args.allow_fallback,
-        memory_budget=args.memory_budget,
-        context_overflow=args.context_overflow,
-        context_length=args.context_length,
-        threads=args.threads,
+    return load(args.model, **load_options(args, parallel))
+
+
+MAX_PARALLEL = 256  # LoadConfig's bound on sequence slots
+
+
+def parse_parallel(value: str | int) -> int | str:
+    """--parallel as ``load`` takes it: an integer from 1 to 256, or "auto"."""
+    text = str(value).strip()
+    if text.lower() == "auto":
+        return "auto"
+    if text.isascii() and text.isdigit() and 1 <= int(text) <= MAX_PARALLEL:
+        return int(text)
+    raise InvalidRequestError(
+        f"--parallel {short_repr(text, 40)} is invalid: give a number of sequence slots from 1 to "
+        f"{MAX_PARALLEL}, or auto"
     )
 
 

@@ -15,14 +15,11 @@ from typing import Any
 from ..errors import BackendUnavailableError, InvalidRequestError
 from ..serve.config import ServerConfig
 from ..serve.guard import allowed_hosts, check_api_key
-from ..serve.wire import shown
-from .common import add_model_flags, load_model
+from .common import add_model_flags, load_model, parse_parallel
 
 __all__ = ["add_parser", "cmd_serve"]
 
 logger = logging.getLogger("edgeinfer.serve")
-
-_MAX_PARALLEL = 256  # LoadConfig's bound on sequence slots
 
 
 def add_parser(sub: Any) -> None:
@@ -105,7 +102,7 @@ def _loopback(host: str) -> bool:
 
 
 def check_settings(args: argparse.Namespace) -> None:
-    args.parallel = _parallel(args.parallel)
+    args.parallel = parse_parallel(args.parallel)
     if not 1 <= args.port <= 65535:
         raise InvalidRequestError(f"--port {args.port} must be from 1 to 65535")
     if args.max_queue < 0:
@@ -130,19 +127,6 @@ def check_settings(args: argparse.Namespace) -> None:
         ) from exc
 
 
-def _parallel(value: str | int) -> int | str:
-    """--parallel as ``load`` takes it: an integer from 1 to 256, or "auto"."""
-    text = str(value).strip()
-    if text.lower() == "auto":
-        return "auto"
-    if text.isascii() and text.isdigit() and 1 <= int(text) <= _MAX_PARALLEL:
-        return int(text)
-    raise InvalidRequestError(
-        f"--parallel {shown(text)} is invalid: give a number of sequence slots from 1 to "
-        f"{_MAX_PARALLEL}, or auto"
-    )
-
-
 def _family(host: str) -> socket.AddressFamily:
     try:
         return socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
@@ -163,7 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_settings(args)
     args.model = args.model or catalog.DEFAULT_MODEL
     _log_access_to_stderr()
-    with _load(args) as model:
+    with load_model(args, args.parallel) as model:
         name = args.model if isinstance(args.model, str) else str(args.model)
         app = create_app(model, _config(args, name))
         slots = getattr(model, "parallel", 1)
@@ -180,25 +164,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             os._exit(1)
     _ignore_stop_signals()  # the process is on its way out: a late signal must not kill it
     return 0
-
-
-def _load(args: argparse.Namespace) -> Any:
-    """The model the flags name, with --parallel slots (at 1: exactly as the other
-    commands load it)."""
-    if args.parallel == 1:
-        return load_model(args)
-    from ..loader import load
-
-    return load(
-        args.model,
-        device=args.device,
-        allow_fallback=args.allow_fallback,
-        memory_budget=args.memory_budget,
-        context_overflow=args.context_overflow,
-        context_length=args.context_length,
-        threads=args.threads,
-        parallel=args.parallel,
-    )
 
 
 def _log_access_to_stderr() -> None:
