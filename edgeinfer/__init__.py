@@ -22,6 +22,8 @@ from .errors import (
     ModelBusyError,
     ModelFetchError,
     ModelLoadError,
+    NotAGenerativeModelError,
+    NotAnEmbeddingModelError,
 )
 from .generation import Chunk, GenerationResult, GenerationStats, TokenStream
 from .inventory import DeviceInventory, devices
@@ -50,6 +52,8 @@ __all__ = [
     "ModelBusyError",
     "ModelFetchError",
     "ModelLoadError",
+    "NotAGenerativeModelError",
+    "NotAnEmbeddingModelError",
     "ProviderPlan",
     "SamplingConfig",
     "TokenStream",

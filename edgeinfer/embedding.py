@@ -16,7 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from .errors import EdgeInferError, InvalidRequestError, short_repr
+from .errors import (
+    EdgeInferError,
+    InvalidRequestError,
+    NotAGenerativeModelError,
+    NotAnEmbeddingModelError,
+    short_repr,
+)
 
 __all__ = [
     "MAX_BATCH_SIZE",
@@ -34,14 +40,6 @@ logger = logging.getLogger(__name__)
 
 MAX_TEXT_CHARS = 1 << 20  # characters of one text: far past any model's maximum length
 MAX_BATCH_SIZE = 4096
-
-
-class NotAnEmbeddingModelError(InvalidRequestError):
-    """``embed`` was called on a model that generates text."""
-
-
-class NotAGenerativeModelError(InvalidRequestError):
-    """``generate``/``chat`` was called on an embedding model."""
 
 
 @dataclass(frozen=True)

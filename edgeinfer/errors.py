@@ -8,7 +8,9 @@
     ├── ModelBusyError                  the model is serving another request (wait=False)
     ├── ConversionError                 export, quantization or validation failed
     └── InvalidRequestError             bad sampling arguments, prompt too long, bad messages
-        └── ChatTemplateError           the model's chat template failed to render
+        ├── ChatTemplateError           the model's chat template failed to render
+        ├── NotAnEmbeddingModelError    embed() on a model that generates text
+        └── NotAGenerativeModelError    generate()/chat() on an embedding model
 
 Engine exceptions are mapped at the backend boundary with ``raise ... from exc``, so the
 original error stays attached as ``__cause__``.
@@ -26,6 +28,8 @@ __all__ = [
     "ModelBusyError",
     "ModelFetchError",
     "ModelLoadError",
+    "NotAGenerativeModelError",
+    "NotAnEmbeddingModelError",
 ]
 
 
@@ -69,3 +73,11 @@ class InvalidRequestError(EdgeInferError, ValueError):
 
 class ChatTemplateError(InvalidRequestError):
     """The model's chat template is missing or failed to render the messages."""
+
+
+class NotAnEmbeddingModelError(InvalidRequestError):
+    """``embed`` was called on a model that generates text."""
+
+
+class NotAGenerativeModelError(InvalidRequestError):
+    """``generate``/``chat`` was called on an embedding model."""

@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 
 import edgeinfer
-from edgeinfer import catalog
+from edgeinfer import NotAGenerativeModelError, NotAnEmbeddingModelError, catalog
 from edgeinfer.converters.onnx.encoder_reference import reference_hidden
-from edgeinfer.embedding import NotAGenerativeModelError, NotAnEmbeddingModelError
 from edgeinfer.encoder_folder import read_encoder_folder, read_safetensors
 from edgeinfer.errors import (
     ConversionError,

@@ -25,6 +25,8 @@ EXPECTED_ALL = {
     "ModelBusyError",
     "ModelFetchError",
     "ModelLoadError",
+    "NotAGenerativeModelError",
+    "NotAnEmbeddingModelError",
     "ProviderPlan",
     "SamplingConfig",
     "TokenStream",
@@ -51,10 +53,14 @@ def test_every_error_derives_from_edgeinfer_error() -> None:
         "ConversionError",
         "InvalidRequestError",
         "ChatTemplateError",
+        "NotAnEmbeddingModelError",
+        "NotAGenerativeModelError",
     ):
         assert issubclass(getattr(edgeinfer, name), edgeinfer.EdgeInferError), name
     assert issubclass(edgeinfer.ModelFetchError, edgeinfer.ModelLoadError)
     assert issubclass(edgeinfer.ChatTemplateError, edgeinfer.InvalidRequestError)
+    assert issubclass(edgeinfer.NotAnEmbeddingModelError, edgeinfer.InvalidRequestError)
+    assert issubclass(edgeinfer.NotAGenerativeModelError, edgeinfer.InvalidRequestError)
 
 
 def test_import_loads_no_engine_or_converter() -> None:
