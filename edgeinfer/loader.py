@@ -106,7 +106,9 @@ def _model(
 ) -> Model:
     memory_plan = config.fit_context.plan
     logger.info("%s memory plan: %s", source.name, memory_plan.describe())
-    logger.info("%s route: %s", source.name, route.why)
+    # said at INFO only when the model runs through another format than the one named
+    level = logging.INFO if route.format != route.source else logging.DEBUG
+    logger.log(level, "%s route: %s", source.name, route.why)
     return Model(
         backend,
         name=source.name,
