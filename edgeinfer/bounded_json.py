@@ -28,6 +28,7 @@ from edgeinfer.errors import EdgeInferError, InvalidRequestError, ModelLoadError
 __all__ = [
     "DEFAULT_MAX_DEPTH",
     "DEFAULT_MAX_NUMBER_CHARS",
+    "open_regular",
     "parse_json",
     "read_json_file",
     "read_regular_file",
@@ -170,22 +171,33 @@ def _field(where: Any, what: str) -> str:
     return f"{path} in {what}" if path else what
 
 
+def open_regular(path: Path, *, error: type[EdgeInferError], what: str = "") -> int:
+    """A read-only descriptor of ``path``, refused unless it is a regular file: the type is
+    checked on the opened descriptor (opened non-blocking, so a FIFO cannot hang the open),
+    which leaves no window between the check and the read. ``what`` names the file in
+    messages ("input file")."""
+    name = f"{what} {path}" if what else str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError as exc:
+        raise error(f"{name} does not exist") from exc
+    except OSError as exc:
+        raise error(f"cannot open {name}: {exc.strerror or exc}") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise error(f"{name} is not a regular file")
+    return fd
+
+
 def read_regular_file(path: Path, *, max_bytes: int, error: type[EdgeInferError]) -> bytes:
     """Read a regular file of at most ``max_bytes``; refuse FIFOs, devices and folders.
 
     The type is checked on the opened descriptor (opened non-blocking, so a FIFO cannot hang
     the open), which leaves no window between the check and the read.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError as exc:
-        raise error(f"{path} does not exist") from exc
-    except OSError as exc:
-        raise error(f"cannot open {path}: {exc.strerror or exc}") from exc
+    fd = open_regular(path, error=error)
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise error(f"{path} is not a regular file")
         if info.st_size > max_bytes:
             raise error(f"{path} is {info.st_size:,} bytes; at most {max_bytes:,} are accepted")
         chunks = []

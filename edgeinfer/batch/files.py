@@ -13,14 +13,13 @@ import csv
 import io
 import logging
 import os
-import stat
 import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..bounded_json import parse_json
+from ..bounded_json import open_regular, parse_json
 from ..errors import EdgeInferError, InvalidRequestError
 from ..sampling import SamplingConfig
 from .records import (
@@ -45,15 +44,7 @@ _RECORD_DEPTH = 80  # a record holds `parsed`, whose depth the structured-output
 def _open_regular(path: Path, what: str) -> BinaryIO:
     """``path`` opened for reading, refused unless it is a regular file (checked on the open
     descriptor, so a FIFO cannot hang the open and nothing can swap the file in between)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError as exc:
-        raise InvalidRequestError(f"{what} {path} does not exist") from exc
-    except OSError as exc:
-        raise InvalidRequestError(f"cannot open {what} {path}: {exc.strerror or exc}") from exc
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise InvalidRequestError(f"{what} {path} is not a regular file")
+    fd = open_regular(path, error=InvalidRequestError, what=what)
     return os.fdopen(fd, "rb")
 
 
