@@ -7,6 +7,8 @@
     ├── MemoryBudgetError               the memory plan does not fit the budget
     ├── ModelBusyError                  the model is serving another request (wait=False)
     ├── ConversionError                 export, quantization or validation failed
+    ├── SnapshotError                   a KV snapshot is foreign, corrupt, another model's or
+    │                                   settings', or could not be written
     └── InvalidRequestError             bad sampling arguments, prompt too long, bad messages
         ├── ChatTemplateError           the model's chat template failed to render
         ├── NotAnEmbeddingModelError    embed() on a model that generates text
@@ -30,6 +32,7 @@ __all__ = [
     "ModelLoadError",
     "NotAGenerativeModelError",
     "NotAnEmbeddingModelError",
+    "SnapshotError",
 ]
 
 
@@ -81,3 +84,9 @@ class NotAnEmbeddingModelError(InvalidRequestError):
 
 class NotAGenerativeModelError(InvalidRequestError):
     """``generate``/``chat`` was called on an embedding model."""
+
+
+class SnapshotError(EdgeInferError):
+    """A KV snapshot (``save_state``/``load_state``, the prompt cache) is not a snapshot, is
+    truncated or corrupt, was made by another model, engine or settings, or could not be
+    written (full disk, no permission)."""
