@@ -269,7 +269,7 @@ class SequenceState:
             # looks clean) when the engine meets one of its limits, nothing can follow, or
             # logit_bias bans every allowed token
             logits = constraint.mask(logits)
-        token = self.sampler(logits, self.context)
+        token = self.sampler(logits, self.context, self.generated)
         self.t_last = time.perf_counter()
         if self.tokenizer.is_end_of_generation(token):
             return _Step(None, "", "stop")

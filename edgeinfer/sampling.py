@@ -2,7 +2,8 @@
 
 The sampler works on the last position's logits (float32, shape [vocab]) with numpy only; no
 Python loop touches the vocabulary. Order of the transforms: logit bias, repetition penalty,
-temperature, top-k, top-p, min-p, then a draw from what is left. ``temperature=0`` is greedy
+frequency and presence penalties, temperature, top-k, top-p, min-p, then a draw from what is
+left. ``temperature=0`` is greedy
 (argmax after bias and penalty).
 
 Defined edge cases: a temperature so small that it underflows float32 (below ~1.2e-38) samples
@@ -11,6 +12,13 @@ as if it were that smallest normal float32 (effectively greedy); biases are boun
 logits that are NaN or infinite at the chosen token raise ``BackendUnavailableError`` instead of
 handing out a meaningless token. A repetition penalty below float32's smallest normal number
 acts as that number, and penalised logits are kept within float32's finite range.
+
+``frequency_penalty`` and ``presence_penalty`` have OpenAI's meaning: a token the reply has
+already generated ``c`` times has ``c * frequency_penalty + (c > 0) * presence_penalty``
+subtracted from its logit, counting every token generated so far in this sequence (not the
+prompt). llama.cpp's sampler subtracts the same amounts, counted over its last
+``penalty_last_n`` (64) tokens; OpenAI counts the whole reply, and so does edgeinfer. Both
+lie in OpenAI's range [-2, 2]; negative values favour repetition.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ MAX_LOGIT_BIAS = 1e6  # |bias| above this is refused (float32 logits + bias woul
 # smallest normal number, larger penalties lowered to its largest.
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+_MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty| (OpenAI's range)
 
 # The first candidate set tried for top-p; grown 4x until it holds the nucleus.
 _TOP_P_FIRST_GUESS = 64
@@ -60,6 +70,8 @@ class SamplingConfig:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     repetition_window: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
@@ -95,6 +107,10 @@ class SamplingConfig:
             raise _bad("repetition_penalty", penalty, "a finite number > 0; 1 turns it off")
         if not is_int(self.repetition_window) or self.repetition_window < 0:
             raise _bad("repetition_window", self.repetition_window, "an integer >= 0")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -_MAX_PENALTY <= value <= _MAX_PENALTY:
+                raise _bad(name, value, "a number from -2 to 2 (OpenAI's range); 0 turns it off")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**64):
             raise _bad("seed", self.seed, "None or an integer in [0, 2**64)")
 
@@ -188,12 +204,21 @@ class Sampler:
                 "logit_bias bans every token of the vocabulary (-inf for all ids); leave at "
                 "least one token allowed"
             )
-        self._needs_copy = bool(self._bias_ids.size) or config.repetition_penalty != 1.0
+        self._counts_penalty = config.frequency_penalty != 0 or config.presence_penalty != 0
+        self._needs_copy = (
+            bool(self._bias_ids.size) or config.repetition_penalty != 1.0 or self._counts_penalty
+        )
+        self._counts: dict[int, int] = {}  # generated token id -> times generated
+        self._counted = 0  # how many of the generated tokens _counts holds
         self.constraint: Any = None  # a structured.Constraint when response_format is set
         self._temperature = np.float32(max(config.temperature, _FLOAT32_TINY))
 
-    def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
-        """logits: float32 [vocab] (may be an engine-owned view; it is never written)."""
+    def __call__(
+        self, logits: np.ndarray, history: Sequence[int] = (), generated: Sequence[int] = ()
+    ) -> int:
+        """logits: float32 [vocab] (may be an engine-owned view; it is never written);
+        ``history``: the sequence's tokens (prompt and reply, for the repetition penalty);
+        ``generated``: the reply's tokens so far (for the frequency and presence penalties)."""
         cfg = self.config
         if not self._needs_copy:
             if cfg.greedy:
@@ -202,6 +227,8 @@ class Sampler:
         else:
             x = np.array(logits, dtype=np.float32)
             self._apply_bias_and_penalty(x, history)
+            if self._counts_penalty:
+                self._apply_counts(x, generated)
             if cfg.greedy:
                 return _finite_choice(x, int(np.argmax(x)))
         peak = x.max()
@@ -228,6 +255,31 @@ class Sampler:
             with np.errstate(over="ignore"):
                 penalised = np.where(values > 0, values / penalty, values * penalty)
             x[recent] = np.clip(penalised, -_FLOAT32_MAX, _FLOAT32_MAX)
+
+    def _apply_counts(self, x: np.ndarray, generated: Sequence[int]) -> None:
+        """OpenAI's frequency and presence penalties over the reply's tokens so far; the
+        counts grow with the reply, so each step only counts the tokens added since the last."""
+        if len(generated) < self._counted:  # another sequence: count it afresh
+            self._counts.clear()
+            self._counted = 0
+        counts = self._counts
+        for token in generated[self._counted :]:
+            counts[int(token)] = counts.get(int(token), 0) + 1
+        self._counted = len(generated)
+        if not counts:
+            return
+        ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+        times = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
+        inside = (ids >= 0) & (ids < x.size)
+        ids, times = ids[inside], times[inside]
+        cfg = self.config
+        penalty = times * np.float32(cfg.frequency_penalty) + np.float32(cfg.presence_penalty)
+        with np.errstate(over="ignore", invalid="ignore"):
+            penalised = x[ids] - penalty
+        # -inf (banned) stays -inf; finite logits stay within float32's finite range
+        x[ids] = np.where(
+            np.isneginf(x[ids]), x[ids], np.clip(penalised, -_FLOAT32_MAX, _FLOAT32_MAX)
+        )
 
     def _filter(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Candidate ids and their (unnormalised) probabilities after top-k/top-p/min-p."""
