@@ -162,3 +162,40 @@ def test_ctrl_c_stops_the_reply_and_returns_to_the_prompt(default_gguf: Path) ->
     assert "[stopped]" in stdout
     assert "Traceback" not in stderr
     assert "stopped after" in stderr and "tok/s (figures of the part generated)" in stderr
+
+
+@pytest.mark.parametrize(
+    "argv, verbose, debug",
+    [
+        (["run", "m", "-p", "x"], False, False),
+        (["-v", "run", "m", "-p", "x"], True, False),
+        (["run", "m", "-p", "x", "-v"], True, False),
+        (["--debug", "run", "m", "-p", "x"], False, True),
+        (["run", "m", "-p", "x", "--debug"], False, True),
+        (["-v", "devices", "--debug"], True, True),
+    ],
+)
+def test_log_flags_work_before_and_after_the_subcommand(
+    argv: list[str], verbose: bool, debug: bool
+) -> None:
+    from edgeinfer.cli.main import build_parser
+
+    args = build_parser().parse_args(argv)
+    assert (args.verbose, args.debug) == (verbose, debug)
+
+
+def test_log_flag_after_the_subcommand_runs_for_real() -> None:
+    out = run("models", "list", "-v")
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_prompt_from_stdin_loses_one_final_newline(tiny_llama_gguf: Path) -> None:
+    prompt = "one two three"
+    common = ("run", str(tiny_llama_gguf), "-n", "8", "--temperature", "0", "--json")
+    typed = run(*common, "-p", prompt)
+    piped = run(*common, "-p", "-", stdin=prompt + "\n")
+    kept = run(*common, "-p", "-", stdin=prompt + "\n\n")  # only one newline goes
+    assert typed.returncode == piped.returncode == kept.returncode == 0, piped.stderr
+    typed, piped, kept = (json.loads(out.stdout)["stats"] for out in (typed, piped, kept))
+    assert piped["prompt_tokens"] == typed["prompt_tokens"]
+    assert kept["prompt_tokens"] > typed["prompt_tokens"]

@@ -30,13 +30,35 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Models live in $EDGEINFER_HOME (default ~/.cache/edgeinfer).",
     )
     parser.add_argument("--version", action="version", version=f"edgeinfer {__version__}")
-    parser.add_argument("--debug", action="store_true", help="log everything, tracebacks")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what edgeinfer does")
+    _add_log_flags(parser, default=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     # the order of `edgeinfer --help`
     for command in (run, chat, batch, embed, convert, devices, bench, serve, models):
         command.add_parser(sub)
+    for subparser in _subparsers(parser):
+        # after the subcommand too (`edgeinfer run ... -v`); SUPPRESS keeps a flag given
+        # before the subcommand from being reset by the subparser's default
+        _add_log_flags(subparser, default=argparse.SUPPRESS)
     return parser
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every subcommand's parser, nested ones (`models list`) included."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                found += [child, *_subparsers(child)]
+    return found
+
+
+def _add_log_flags(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument(
+        "--debug", action="store_true", default=default, help="log everything, tracebacks"
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", default=default, help="log what edgeinfer does"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -56,7 +56,7 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = _stdin_prompt() if args.prompt == "-" else args.prompt
     kwargs = sampling_kwargs(args)
     tools = _tools(args)  # checked before the model loads
     with load_model(args) as model:
@@ -128,3 +128,12 @@ def _write_calls(result: Any) -> None:
             f"edgeinfer: the reply's tool call is invalid: {result.tool_call_error}",
             file=sys.stderr,
         )
+
+
+def _stdin_prompt() -> str:
+    """stdin's text without the one final newline that `echo` and editors add: the
+    prompt a user typed does not end with it, and a trailing newline changes the answer."""
+    text = sys.stdin.read()
+    if text.endswith("\r\n"):
+        return text[:-2]
+    return text[:-1] if text.endswith("\n") else text
