@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,7 +78,7 @@ print(json.dumps({"steps": steps, "plan": model.info["memory_plan"], "peak": pea
 """
 
 
-def parts(model: str) -> int:
+def parts(model: str, out_path: Path | None) -> int:
     done = subprocess.run(
         [sys.executable, "-c", PARTS, model], capture_output=True, text=True, check=False
     )
@@ -93,6 +94,12 @@ def parts(model: str) -> int:
     terms = ("process", "weights", "engine", "kv_cache", "compute", "headroom", "total")
     print("plan at context 256: " + ", ".join(f"{t} {plan[t] / 2**20:.1f} MiB" for t in terms))
     print(f"peak RSS after loading: {out['peak'] / 2**20:.1f} MiB")
+    if out_path is not None:
+        values = list(out["steps"].values())
+        added = [round((v - p) / 2**20, 1) for v, p in zip(values, [0, *values], strict=False)]
+        record = {"model": model, "added_mib": dict(zip(out["steps"], added, strict=True))}
+        record["load_average"] = list(os.getloadavg())
+        out_path.write_text(json.dumps({**record, **out}, indent=1) + "\n")
     return 0
 
 
@@ -128,10 +135,11 @@ def main() -> int:
     ap.add_argument("--parts", action="store_true", help="RSS after each import and load step")
     ap.add_argument("--fill", type=float, default=0.95, help="prompt share of the context")
     ap.add_argument("--threads", type=int, nargs="*", default=[2], help="compute threads")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "memory.json")
+    ap.add_argument("--out", type=Path, default=None, help="default: results/memory.json")
     args = ap.parse_args()
     if args.parts:
-        return parts(args.model)
+        return parts(args.model, args.out)
+    args.out = args.out or Path(__file__).parent / "results" / "memory.json"
     cases: list[tuple[str, str, str]] = []
     if args.grid:
         cases = [("-", str(c), str(b)) for c in (512, 2048, 8192) for b in (64, 512)]

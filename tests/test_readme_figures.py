@@ -99,7 +99,6 @@ TO_SOURCE = {
     ("README.md", "34.4%", ""),
     ("README.md", "0.0531", ""),
     ("README.md", "5minutes", "2 cores"),
-    ("benchmarks/README.md", "10.8MiB", ""),
 }
 
 
