@@ -90,6 +90,20 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-json", action="store_true", help="one JSON object per request line on stderr"
     )
+    p.add_argument(
+        "--sampling-defaults",
+        choices=("edgeinfer", "openai"),
+        default="edgeinfer",
+        help="sampling for the fields a request leaves out: edgeinfer's own (temperature 0.8, "
+        "top_k 40, top_p 0.95; small models stay coherent) or OpenAI's (temperature 1, top_p "
+        "1) (default: edgeinfer)",
+    )
+    p.add_argument(
+        "--any-model-name",
+        action="store_true",
+        help="answer requests naming any model (e.g. a client that always sends gpt-4o) with "
+        "the served model; replies name the served model (default: 404 for another name)",
+    )
 
 
 def _loopback(host: str) -> bool:
@@ -186,6 +200,8 @@ def _config(args: argparse.Namespace, name: str) -> ServerConfig:
         log_json=args.log_json,
         host=args.host,
         allow_hosts=tuple(args.allow_host),
+        sampling_defaults=args.sampling_defaults,
+        any_model_name=args.any_model_name,
     )
 
 

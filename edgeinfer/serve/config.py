@@ -18,3 +18,7 @@ class ServerConfig:
     retry_after_s: int = 2
     host: str = "127.0.0.1"  # the bound address: a name requests may give as their Host
     allow_hosts: tuple[str, ...] = ()  # more such names (--allow-host)
+    # the sampling a request's missing fields take: "edgeinfer" or "openai" (wire.py)
+    sampling_defaults: str = "edgeinfer"
+    # answer a request naming any model with the one served (replies name the served one)
+    any_model_name: bool = False

@@ -143,8 +143,11 @@ async def _accept(
     ClientLeft when it is refused."""
     _authorize(ctx, request)
     body = await read_json(request, ctx.config.max_body_bytes)
-    parsed = wire.parse_chat(body) if kind == "chat" else wire.parse_completion(body)
-    _check_model(ctx.config.name, parsed.model)
+    defaults = ctx.config.sampling_defaults
+    parse = wire.parse_chat if kind == "chat" else wire.parse_completion
+    parsed = parse(body, defaults)
+    if not ctx.config.any_model_name:
+        _check_model(ctx.config.name, parsed.model)
     return parsed, admit(ctx.model, parsed, ctx.admission)
 
 
@@ -157,7 +160,8 @@ def _check_model(name: str, requested: str | None) -> None:
     if requested is not None and requested not in (name, "default"):
         raise wire.WireError(
             404,
-            f"model {wire.shown(requested)} is not served here; this server serves {name!r}",
+            f"model {wire.shown(requested)} is not served here; this server serves {name!r} "
+            "(start it with --any-model-name to answer every model name with it)",
             param="model",
             code="model_not_found",
         )

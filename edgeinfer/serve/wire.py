@@ -27,13 +27,18 @@ _REFUSED = {
     "top_logprobs": (None, 0),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
 }
 _MAX_STOPS = 4
+# What a request that leaves the sampling fields out gets (``edgeinfer serve
+# --sampling-defaults``): edgeinfer's own (SamplingConfig's: temperature 0.8, top_k 40, top_p
+# 0.95), or OpenAI's (temperature 1, top_p 1, no top-k).
+SAMPLING_DEFAULTS: dict[str, dict[str, Any]] = {
+    "edgeinfer": {},
+    "openai": {"temperature": 1.0, "top_p": 1.0, "top_k": 0},
+}
 _INT64_MAX = 2**63 - 1  # what OpenAI's integer fields hold; beyond it no engine can take it
 
 
@@ -90,8 +95,10 @@ class CompletionRequest(_Common):
     prompt: str = ""
 
 
-def parse_chat(body: Any) -> ChatRequest:
-    common = _common(body, ("max_completion_tokens", "max_tokens"))
+def parse_chat(body: Any, defaults: str = "edgeinfer") -> ChatRequest:
+    """A chat request; ``defaults`` names the sampling a field left out takes
+    (SAMPLING_DEFAULTS)."""
+    common = _common(body, ("max_completion_tokens", "max_tokens"), defaults)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "must be a non-empty list of {role, content} objects")
@@ -122,8 +129,8 @@ def _checked(check: Any, *args: Any) -> Any:
         raise WireError(400, text, param=param, code="invalid_value") from None
 
 
-def parse_completion(body: Any) -> CompletionRequest:
-    common = _common(body, ("max_tokens",))
+def parse_completion(body: Any, defaults: str = "edgeinfer") -> CompletionRequest:
+    common = _common(body, ("max_tokens",), defaults)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -132,7 +139,7 @@ def parse_completion(body: Any) -> CompletionRequest:
     return CompletionRequest(**common, prompt=prompt)
 
 
-def _common(body: Any, length_keys: tuple[str, ...]) -> dict[str, Any]:
+def _common(body: Any, length_keys: tuple[str, ...], defaults: str) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise WireError(400, "the request body must be a JSON object", code="invalid_json")
     for key, allowed in _REFUSED.items():
@@ -154,7 +161,7 @@ def _common(body: Any, length_keys: tuple[str, ...]) -> dict[str, Any]:
             code="invalid_value",
         )
     stream, include_usage = _streaming(body)
-    sampling = _sampling(body, length_keys)
+    sampling = _sampling(body, length_keys, SAMPLING_DEFAULTS[defaults])
     return {"model": model, "stream": stream, "include_usage": include_usage, "sampling": sampling}
 
 
@@ -176,9 +183,11 @@ def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def _sampling(body: dict[str, Any], length_keys: tuple[str, ...]) -> dict[str, Any]:
+def _sampling(
+    body: dict[str, Any], length_keys: tuple[str, ...], defaults: dict[str, Any]
+) -> dict[str, Any]:
     """The sampling settings as ``Model.chat``/``Model.stream`` take them."""
-    sampling: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}  # OpenAI's
+    sampling: dict[str, Any] = dict(defaults)
     for key in length_keys:
         if body.get(key) is not None:
             sampling["max_new_tokens"] = _integer(body, key, 1)
@@ -189,6 +198,9 @@ def _sampling(body: dict[str, Any], length_keys: tuple[str, ...]) -> dict[str, A
         sampling["top_p"] = _number(body, "top_p", 0.0, 1.0)
         if sampling["top_p"] == 0.0:
             raise bad("top_p", "must be greater than 0")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if body.get(key) is not None:
+            sampling[key] = _number(body, key, -2.0, 2.0)
     if body.get("seed") is not None:
         sampling["seed"] = _integer(body, "seed", 0)
     stop = body.get("stop")
