@@ -437,3 +437,18 @@ def test_line_reader_matches_a_plain_split(
     if lines and lines[-1] == b"":
         lines.pop()  # a final newline ends the last line, it does not start another
     assert got == [line if len(line) <= limit else len(line) for line in lines]
+
+
+def test_a_line_that_is_not_json_is_logged_on_stderr(live: Live) -> None:
+    live.send(b"hello, not json\n")
+    record = live.answer()
+    assert record["id"] is None and record["error"]["type"] == "invalid_json", record
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # stderr is drained by a thread of its own
+        events = [json.loads(line) for line in live.stderr().splitlines() if line.startswith("{")]
+        if any(e["event"] == "refused" and "not JSON" in e["error"] for e in events):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"no 'refused' log line for a non-JSON line: {live.stderr()!r}")
+    normal_answer(live)
