@@ -20,6 +20,7 @@ import edgeinfer
 from edgeinfer import catalog
 
 POLL_MS = 30
+MIN_WIDTH, MIN_HEIGHT = 480, 240  # px: every fixed row and a few transcript lines
 
 
 class ChatWindow:
@@ -35,8 +36,13 @@ class ChatWindow:
 
         root.title("edgeinfer chat")
         root.geometry("720x480")
+        root.minsize(MIN_WIDTH, MIN_HEIGHT)
+        # a grid: the model row, the input row and the status line keep their height; only
+        # the transcript (weight 1) gives way when the window or its fonts leave too little
+        root.columnconfigure(0, weight=1)
+        root.rowconfigure(1, weight=1)
         top = ttk.Frame(root, padding=6)
-        top.pack(fill="x")
+        top.grid(row=0, column=0, sticky="ew")
         ttk.Label(top, text="Model:").pack(side="left")
         self.model_var = tk.StringVar(value=model_name)
         self.picker = ttk.Combobox(
@@ -47,13 +53,14 @@ class ChatWindow:
         ttk.Button(top, text="Open…", command=self.open_file).pack(side="left")
         ttk.Button(top, text="Load", command=self.load_model).pack(side="left", padx=4)
 
-        self.log = tk.Text(root, wrap="word", state="disabled", height=20)
-        self.log.pack(fill="both", expand=True, padx=6)
+        # height in lines is only what the window asks for; the grid sizes it to what is left
+        self.log = tk.Text(root, wrap="word", state="disabled", height=8)
+        self.log.grid(row=1, column=0, sticky="nsew", padx=6)
         self.log.tag_configure("user", foreground="#1a4f8b")
         self.log.tag_configure("note", foreground="#8b1a1a")
 
         bottom = ttk.Frame(root, padding=6)
-        bottom.pack(fill="x")
+        bottom.grid(row=2, column=0, sticky="ew")
         self.entry = ttk.Entry(bottom)
         self.entry.pack(side="left", fill="x", expand=True)
         self.entry.bind("<Return>", lambda _e: self.send())
@@ -62,7 +69,10 @@ class ChatWindow:
         self.stop_button = ttk.Button(bottom, text="Stop", command=self.stop, state="disabled")
         self.stop_button.pack(side="left")
         self.status = tk.StringVar(value="")
-        ttk.Label(root, textvariable=self.status, anchor="w", padding=(6, 0, 6, 4)).pack(fill="x")
+        self.status_label = ttk.Label(
+            root, textvariable=self.status, anchor="w", padding=(6, 0, 6, 4)
+        )
+        self.status_label.grid(row=3, column=0, sticky="ew")
 
         root.protocol("WM_DELETE_WINDOW", self.close)
         root.after(POLL_MS, self.poll)

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,8 +44,9 @@ def display() -> Iterator[str]:
         server.wait(timeout=10)
 
 
-def _window(model: str, **load: object) -> tuple[object, object]:
+def _window(model: str, tall_lines: bool = False, **load: object) -> tuple[object, object]:
     import tkinter as tk
+    from tkinter import font
 
     sys.path.insert(0, str(APPS))
     try:
@@ -52,7 +54,24 @@ def _window(model: str, **load: object) -> tuple[object, object]:
     finally:
         sys.path.pop(0)
     root = tk.Tk()
+    if tall_lines:  # as with Noto Sans Mono on many desktops: 20 px lines and more
+        for name in ("TkFixedFont", "TkDefaultFont", "TkTextFont"):
+            named = font.nametofont(name, root=root)
+            while named.metrics("linespace") < 24:
+                named.configure(size=abs(int(named.cget("size"))) + 1)
     return root, ChatWindow(root, model, **load)
+
+
+def _shown_whole(root: object, widget: object) -> bool:
+    """Mapped, given its height, and inside the window's area."""
+    w: Any = widget
+    r: Any = root
+    bottom = w.winfo_rooty() + w.winfo_height()
+    needed = w.winfo_reqheight()
+    return bool(
+        w.winfo_ismapped() and w.winfo_height() >= needed
+        and bottom <= r.winfo_rooty() + r.winfo_height()
+    )  # fmt: skip
 
 
 def _pump(root: object, until: Callable[[], bool], timeout: float = 120) -> float:
@@ -97,4 +116,18 @@ def test_a_missing_model_is_shown_in_the_window(display: str, tmp_path: Path) ->
     _pump(root, lambda: "cannot load" in app.status.get(), timeout=30)  # type: ignore[attr-defined]
     assert "no such file" in app.transcript()  # type: ignore[attr-defined]
     assert str(app.send_button["state"]) == "disabled"  # type: ignore[attr-defined]
+    app.close()  # type: ignore[attr-defined]
+
+
+def test_the_status_line_shows_under_a_font_with_tall_lines(display: str, tmp_path: Path) -> None:
+    """Every row but the transcript keeps its height; the status line says why Send is grey."""
+    root, app = _window(str(tmp_path / "missing.gguf"), tall_lines=True)
+    _pump(root, lambda: "cannot load" in app.status.get(), timeout=30)  # type: ignore[attr-defined]
+    root.update()  # type: ignore[attr-defined]
+    assert _shown_whole(root, app.status_label)  # type: ignore[attr-defined]
+    assert _shown_whole(root, app.send_button)  # type: ignore[attr-defined]
+    root.geometry("480x240")  # type: ignore[attr-defined]  # the minimum size
+    _pump(root, lambda: root.winfo_height() <= 240, timeout=10)  # type: ignore[attr-defined]
+    root.update()  # type: ignore[attr-defined]
+    assert _shown_whole(root, app.status_label)  # type: ignore[attr-defined]
     app.close()  # type: ignore[attr-defined]
