@@ -97,7 +97,7 @@ def test_send_stream_stop_and_screenshot(display: str, default_gguf: Path, tmp_p
     _pump(root, lambda: len(app.transcript().split("Model: ", 1)[-1].strip()) > 20)  # type: ignore[attr-defined]
     app.stop_button.invoke()  # type: ignore[attr-defined]
     _pump(root, lambda: "tok/s" in app.status.get())  # type: ignore[attr-defined]
-    assert "(stopped)" in app.status.get() or "tokens" in app.status.get()  # type: ignore[attr-defined]
+    assert app.status.get().endswith("(stopped)")  # type: ignore[attr-defined]
     assert "You: Tell me about the history of Paris." in app.transcript()  # type: ignore[attr-defined]
     root.update()  # type: ignore[attr-defined]
     from PIL import ImageGrab
@@ -130,4 +130,42 @@ def test_the_status_line_shows_under_a_font_with_tall_lines(display: str, tmp_pa
     _pump(root, lambda: root.winfo_height() <= 240, timeout=10)  # type: ignore[attr-defined]
     root.update()  # type: ignore[attr-defined]
     assert _shown_whole(root, app.status_label)  # type: ignore[attr-defined]
+    app.close()  # type: ignore[attr-defined]
+
+
+def _replies_done(app: Any) -> list[Any]:
+    """The results the worker handed to the window after it stopped polling."""
+    done = []
+    while not app.events.empty():
+        kind, value = app.events.get_nowait()
+        if kind == "done":
+            done.append(value)
+    return done
+
+
+@pytest.mark.model
+def test_closing_the_window_mid_reply_cancels_it_and_frees_the_model(
+    display: str, default_gguf: Path
+) -> None:
+    root, app = _window(str(default_gguf), threads=2, context_length=1024)
+    _pump(root, lambda: "context" in app.status.get())  # type: ignore[attr-defined]
+    app.entry.insert(0, "Tell me about the history of Paris.")  # type: ignore[attr-defined]
+    app.send_button.invoke()  # type: ignore[attr-defined]
+    _pump(root, lambda: len(app.transcript().split("Model: ", 1)[-1].strip()) > 20)  # type: ignore[attr-defined]
+    close = root.protocol("WM_DELETE_WINDOW")  # type: ignore[attr-defined]  # the window's X
+    root.tk.call(close)  # type: ignore[attr-defined]
+    assert app.model is None and not app.worker.is_alive()  # type: ignore[attr-defined]
+    (result,) = _replies_done(app)
+    assert result.finish_reason == "cancelled"
+
+
+@pytest.mark.model
+def test_a_budget_too_small_is_shown_in_the_window(display: str, default_gguf: Path) -> None:
+    root, app = _window(str(default_gguf), tall_lines=True, memory_budget="60MB")
+    _pump(root, lambda: "cannot load" in app.status.get(), timeout=60)  # type: ignore[attr-defined]
+    root.update()  # type: ignore[attr-defined]
+    assert "budget" in app.status.get().lower()  # type: ignore[attr-defined]
+    assert "budget" in app.transcript().lower()  # type: ignore[attr-defined]
+    assert _shown_whole(root, app.status_label)  # type: ignore[attr-defined]
+    assert str(app.send_button["state"]) == "disabled"  # type: ignore[attr-defined]
     app.close()  # type: ignore[attr-defined]
