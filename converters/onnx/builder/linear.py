@@ -1,5 +1,6 @@
-"""Projections: GGUF weights wired as ``MatMulNBits`` (their blocks kept or re-rounded, see
-``gguf_blocks``) or, where blocks have no exact form, as a float ``MatMul``."""
+"""Projections: GGUF weights wired as ``MatMulNBits`` (their blocks kept, see ``gguf_blocks``,
+or re-rounded with searched scales, see ``quantize``) or, where blocks have no exact form, as
+a float ``MatMul``."""
 
 from __future__ import annotations
 
@@ -7,13 +8,22 @@ import numpy as np
 
 from edgeinfer.gguf_file import TensorInfo
 
+from ..quantize import quantize_searched
 from .context import BuildContext
-from .gguf_blocks import OFFSET_BLOCK, NBitsWeight, quantize_symmetric, transcode
+from .gguf_blocks import OFFSET_BLOCK, NBitsWeight, transcode
 from .tensors import FLOAT_TYPES
 
-__all__ = ["ACCURACY_LEVEL", "linear", "matmul_nbits", "weights"]
+__all__ = ["ACCURACY_LEVEL", "linear", "matmul_nbits", "requantize", "weights"]
 
 ACCURACY_LEVEL = 4  # MatMulNBits quantizes activations to int8 per block: its fast CPU path
+
+
+def requantize(w: np.ndarray, bits: int) -> NBitsWeight:
+    """Float weights ``[n, k]`` re-rounded for ``--quant int4``/``int8``: symmetric blocks of
+    32 (MatMulNBits' fast path) with error-minimising scales."""
+    n, k = w.shape
+    q = quantize_searched(w, bits)
+    return NBitsWeight(n, k, q.bits, q.block_size, q.packed(), q.scales, offset=None)
 
 
 def weights(b: BuildContext, t: TensorInfo) -> NBitsWeight | None:
@@ -22,7 +32,7 @@ def weights(b: BuildContext, t: TensorInfo) -> NBitsWeight | None:
         return None
     bits = b.quant.bits_for(t.name)
     if bits is not None:
-        return quantize_symmetric(b.tensors.floats(t), int(bits))
+        return requantize(b.tensors.floats(t), int(bits))
     if t.ggml_type in FLOAT_TYPES:
         return None
     k, n = t.shape[0], t.shape[1]

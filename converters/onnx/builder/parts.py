@@ -12,9 +12,9 @@ import numpy as np
 from edgeinfer.gguf_file import TensorInfo
 
 from .context import BuildContext
-from .gguf_blocks import Q4_0, Q8_0, NBitsWeight, quantize_symmetric, transcode
+from .gguf_blocks import Q4_0, Q8_0, NBitsWeight, transcode
 from .graph import Graph
-from .linear import linear, matmul_nbits
+from .linear import linear, matmul_nbits, requantize
 
 __all__ = [
     "ACTIVATIONS",
@@ -103,7 +103,7 @@ def embedding(b: BuildContext) -> Embedding:
 def _embedding_blocks(b: BuildContext, t: TensorInfo) -> NBitsWeight | None:
     bits = b.quant.bits_for(t.name)
     if bits is not None:
-        return quantize_symmetric(b.tensors.floats(t), int(bits))
+        return requantize(b.tensors.floats(t), int(bits))
     if b.quant.mode == "keep" and t.ggml_type in (Q8_0, Q4_0):
         return transcode(t.ggml_type, b.tensors.raw(t), b.shape.vocab, b.shape.hidden)
     return None
