@@ -186,17 +186,28 @@ def test_an_output_that_is_not_ours_is_refused(tiny: Path, tmp_path: Path) -> No
     assert same.returncode == 1 and "is the input" in same.stderr
 
 
-@pytest.mark.parametrize("presses", [1, 2])
-def test_ctrl_c_mid_job_leaves_a_file_that_resumes(
-    tiny: Path, tmp_path: Path, presses: int
-) -> None:
-    rows = prompts(300, tokens=40)
-    src = write_rows(tmp_path / "in.jsonl", rows)
+LONG_JOB_ROWS = 300
+
+
+def _a_long_job_under_way(
+    tiny: Path, tmp_path: Path
+) -> tuple[Path, Path, Path, subprocess.Popen[str]]:
+    """The input, its whole reference output, the output path and a job process that has
+    written its first few lines."""
+    src = write_rows(tmp_path / "in.jsonl", prompts(LONG_JOB_ROWS, tokens=40))
     whole = tmp_path / "whole.jsonl"
     reference(tiny, src, whole)
     out = tmp_path / "out.jsonl"
     proc = start(tiny, src, "-o", out, *GREEDY, "--parallel", "1")
     wait_for_lines(out, 5, proc)
+    return src, whole, out, proc
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_mid_job_leaves_a_file_that_resumes(
+    tiny: Path, tmp_path: Path, presses: int
+) -> None:
+    src, whole, out, proc = _a_long_job_under_way(tiny, tmp_path)
     for _ in range(presses):
         proc.send_signal(signal.SIGINT)
         time.sleep(0.05)
@@ -205,20 +216,14 @@ def test_ctrl_c_mid_job_leaves_a_file_that_resumes(
     assert "run the same command again to resume" in stderr
     partial = out.read_bytes()
     assert partial.endswith(b"\n") and whole.read_bytes().startswith(partial)
-    assert partial.count(b"\n") < len(rows)
+    assert partial.count(b"\n") < LONG_JOB_ROWS
     done = cli(tiny, src, "-o", out, *GREEDY)
     assert done.returncode == 0, done.stderr
     assert out.read_bytes() == whole.read_bytes()
 
 
 def test_sigkill_mid_job_damages_no_line_and_resumes(tiny: Path, tmp_path: Path) -> None:
-    rows = prompts(300, tokens=40)
-    src = write_rows(tmp_path / "in.jsonl", rows)
-    whole = tmp_path / "whole.jsonl"
-    reference(tiny, src, whole)
-    out = tmp_path / "out.jsonl"
-    proc = start(tiny, src, "-o", out, *GREEDY, "--parallel", "1")
-    wait_for_lines(out, 5, proc)
+    src, whole, out, proc = _a_long_job_under_way(tiny, tmp_path)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
     left = out.read_bytes()
