@@ -18,7 +18,7 @@ from edgeinfer import BackendUnavailableError, InvalidRequestError, SamplingConf
 from edgeinfer.model import Model
 from edgeinfer.sampling import Sampler
 
-from .fakes import VOCAB
+from .fakes import VOCAB, FakeTokenizer
 
 RNG = np.random.default_rng(7)
 LOGITS = RNG.normal(0, 3, size=500).astype(np.float32)
@@ -45,7 +45,8 @@ def test_token_id_prompts_are_ints_in_the_vocabulary_or_refused(
     if valid:
         result = fake_model.generate(prompt, max_new_tokens=2, temperature=0)
         assert result.stats.prompt_tokens == len(prompt)
-        assert fake_model.detokenize(prompt) is not None
+        expected = b"".join(FakeTokenizer().token_bytes(t) for t in prompt)
+        assert fake_model.detokenize(prompt) == expected.decode("utf-8", errors="replace")
     else:
         with pytest.raises(InvalidRequestError, match=r"prompt\[\d+\]"):
             fake_model.generate(prompt, max_new_tokens=2)
