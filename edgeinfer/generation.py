@@ -49,6 +49,7 @@ class GenerationStats:
     decode_tokens_per_s: float  # (n - 1) / (t_last - t_first); 0.0 when n < 2
     total_s: float
     peak_rss_bytes: int = 0  # the process's peak resident set so far (VmHWM); 0 if unknown
+    disk_prompt_tokens: int = 0  # prompt tokens whose KV was read from the prompt cache on disk
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,9 @@ class KVHistory:
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.batched = 0
+        # > 0 after a snapshot of a model with sliding-window layers was restored: its state
+        # holds only the window's entries of those layers, so it is reused whole or not at all
+        self.whole = 0
 
     def reuse(self, backend: Backend, prompt: Sequence[int]) -> int:
         """Rewind ``backend`` to the longest common prefix with ``prompt`` among the entries
@@ -117,6 +121,9 @@ class KVHistory:
         while n < limit and self.tokens[n] == prompt[n]:
             n += 1
         n -= n % REUSE_GRANULE
+        if n < self.whole:
+            n = 0
+        self.whole = min(self.whole, n)
         del self.tokens[n:]
         self.batched = n
         backend.rewind(n)
@@ -252,6 +259,7 @@ class SequenceState:
         self.generated: list[int] = []
         self.unsent: list[int] = []  # ids whose text has not been handed out yet
         self.reused = 0  # prompt tokens found in the KV cache
+        self.disk = 0  # of which read from the prompt cache on disk
         self.t_start = self.t_first = self.t_last = 0.0  # perf_counter seconds
 
     def step(self, logits: np.ndarray, *, cancelled: bool, out_of_room: bool) -> _Step:
@@ -306,15 +314,23 @@ class SequenceState:
             decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
             total_s=time.perf_counter() - self.t_start,
             peak_rss_bytes=peak_rss(),
+            disk_prompt_tokens=self.disk,
         )
         return Chunk(tail, tuple(self.unsent), finish, stats)
 
 
 def _prefill(
-    backend: Backend, history: KVHistory, prompt: Sequence[int], seq: SequenceState
+    backend: Backend,
+    history: KVHistory,
+    prompt: Sequence[int],
+    seq: SequenceState,
+    disk: Any = None,
 ) -> np.ndarray:
-    """Reuse what the cache holds of ``prompt``, read the rest; return the last logits."""
+    """Reuse what the cache holds of ``prompt`` (after reading a longer prefix from ``disk``,
+    a prompt cache, when it has one), read the rest; return the last logits."""
     seq.t_start = time.perf_counter()
+    if disk is not None:
+        seq.disk = disk.restore(backend, history, list(prompt))
     seq.reused = history.reuse(backend, prompt)
     logits = backend.prefill(prompt[seq.reused :])
     history.tokens = list(prompt)
@@ -330,6 +346,7 @@ def run(
     sampler: Sampler,
     cancel: threading.Event,
     slide_keep: int | None = None,
+    disk: Any = None,
 ) -> Iterator[Chunk]:
     """The generation loop (a generator of Chunks) for a request ``check_request`` accepted;
     the caller holds the model's lock.
@@ -337,18 +354,25 @@ def run(
     When the context fills up, generation ends with ``finish_reason="length"``; with
     ``slide_keep`` set it slides instead: the first ``slide_keep`` tokens (the system prompt)
     stay, the older half of the rest is dropped, and the kept recent tokens are read again at
-    their new positions."""
+    their new positions. ``disk`` (a prompt cache) may read the prompt's prefix from disk
+    and keeps a copy of a long prompt's KV once the first token is out."""
     seq = SequenceState(backend.tokenizer, prompt, sampler)
-    logits = _prefill(backend, history, prompt, seq)
+    logits = _prefill(backend, history, prompt, seq, disk)
+    remember = disk is not None
     while True:
         full = len(history.tokens) + 1 >= backend.n_ctx  # no room after this token
         step = seq.step(logits, cancelled=cancel.is_set(), out_of_room=full and slide_keep is None)
         if step.finish is not None:
+            if remember and step.finish != "cancelled":
+                disk.remember(list(prompt), len(prompt) - seq.reused)
             yield seq.last_chunk(step.text, step.finish)
             return
         assert step.token is not None  # a step that did not finish took a token
         if step.text:
             yield seq.chunk(step.text)
+        if remember:  # the cache holds exactly the prompt until the first decode
+            remember = False
+            disk.remember(list(prompt), len(prompt) - seq.reused)
         if full and slide_keep is not None:
             logits = _slide(backend, history, step.token, slide_keep)
             continue

@@ -28,6 +28,7 @@ from .model_source import ModelSource, resolve
 from .policy import normalise_device, plan_providers
 from .routes import Route, check_engine, choose_route
 from .runtimes import open_backend
+from .state.prompt_cache import PromptCache
 
 if TYPE_CHECKING:
     from .runtimes.base import Backend
@@ -49,6 +50,7 @@ def load(
     context_overflow: str = "stop",
     parallel: int | str = 1,
     engine: str = "auto",
+    prompt_cache: Any = None,
 ) -> Model:
     """Open a model for generation.
 
@@ -81,9 +83,9 @@ def load(
     ``finish_reason="length"``; ``context_overflow="slide"`` keeps the system prompt and the
     newer half of the conversation instead, and goes on. ``flash_attention=True`` trades
     bit-exact agreement with llama.cpp's defaults for speed on GGUF models.
+    ``prompt_cache``: a folder (or True) keeping long prompts' KV on disk (``edgeinfer.state``).
     """
-    _check_options(context_overflow, allow_fallback)
-    check_engine(engine)
+    cache = _check_options(context_overflow, allow_fallback, engine, prompt_cache)
     if parallel != "auto":
         parallel = check_parallel(parallel)
     config = LoadConfig(device=device, context_length=context_length, threads=threads,
@@ -93,7 +95,7 @@ def load(
         return load_encoder(named, config, memory_budget, allow_fallback)
     source, route, config = _routed(model, named, config, memory_budget, parallel, engine)
     backend, chain = _open(source, config, allow_fallback)
-    return _model(backend, source, chain, config, route, context_overflow)
+    return _model(backend, source, chain, config, route, context_overflow, cache)
 
 
 def _model(
@@ -103,6 +105,7 @@ def _model(
     config: LoadConfig,
     route: Route,
     context_overflow: str,
+    cache: Any = None,
 ) -> Model:
     memory_plan = config.fit_context.plan
     logger.info("%s memory plan: %s", source.name, memory_plan.describe())
@@ -118,6 +121,7 @@ def _model(
         memory_plan=memory_plan,
         context_overflow=context_overflow,
         route=route.to_dict(),
+        prompt_cache=cache,
     )
 
 
@@ -147,7 +151,11 @@ def _routed(
 _ENGINES = {"gguf": "llama_cpp", "onnx": "onnxruntime"}  # the engine each format runs on
 
 
-def _check_options(context_overflow: str, allow_fallback: bool) -> None:
+def _check_options(
+    context_overflow: str, allow_fallback: bool, engine: str, prompt_cache: Any
+) -> PromptCache | None:
+    """Refuse bad options before anything is loaded; the prompt cache they name."""
+    check_engine(engine)
     if context_overflow not in ("stop", "slide"):
         raise InvalidRequestError(
             f"context_overflow={context_overflow!r} is invalid: expected 'stop' or 'slide'"
@@ -156,6 +164,7 @@ def _check_options(context_overflow: str, allow_fallback: bool) -> None:
         raise InvalidRequestError(
             f"allow_fallback={allow_fallback!r} is invalid: expected True or False"
         )
+    return PromptCache.of(prompt_cache)
 
 
 def _open(

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import signal
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -16,11 +16,14 @@ from ._turns import Turns
 from .chat import encode_chat, render_chat
 from .embedding import EmbedResult, embed_for_model, require_generation
 from .engine import Engine
-from .errors import EdgeInferError, InvalidRequestError, short_repr
+from .errors import EdgeInferError, InvalidRequestError
 from .generation import Chunk, GenerationResult, KVHistory, TokenStream
 from .many import Request, collect_in_order, read_request
 from .memory import MemoryPlan
-from .sampling import Sampler, SamplingConfig, is_int
+from .model_parts import attach_cache, checked_token_ids, signals_held
+from .sampling import Sampler, SamplingConfig
+from .state import session
+from .state.sequence import SeqStates
 from .tools import ToolRequest
 
 if TYPE_CHECKING:
@@ -30,23 +33,6 @@ __all__ = ["Model"]
 
 Prompt = str | Sequence[int]
 Messages = Sequence[Mapping[str, Any]]
-
-
-def checked_token_ids(values: Sequence[Any], n_vocab: int, what: str) -> list[int]:
-    """``values`` as a list of token ids, each an integer (not a bool, a float or a string)
-    in ``0..n_vocab-1``; anything else is an InvalidRequestError naming its position."""
-    ids: list[int] = []
-    for i, value in enumerate(values):
-        if not is_int(value):
-            raise InvalidRequestError(
-                f"{what}[{i}]={short_repr(value, 40)} is not a token id: token ids are integers"
-            )
-        if not 0 <= value < n_vocab:
-            raise InvalidRequestError(
-                f"{what}[{i}]={int(value)} is outside the vocabulary (0..{n_vocab - 1})"
-            )
-        ids.append(int(value))
-    return ids
 
 
 class Model:
@@ -66,6 +52,7 @@ class Model:
         memory_plan: MemoryPlan | None = None,
         context_overflow: str = "stop",
         route: Mapping[str, Any] | None = None,
+        prompt_cache: Any = None,
     ) -> None:
         if context_overflow not in ("stop", "slide"):
             raise InvalidRequestError(
@@ -86,6 +73,8 @@ class Model:
         self._route = dict(route) if route is not None else None
         # parallel > 1: one engine thread steps every caller's sequence together
         self._engine = Engine(backend) if getattr(backend, "n_slots", 1) > 1 else None
+        self._states: SeqStates | None = None  # save_state / load_state, made when first used
+        self._disk = attach_cache(prompt_cache, backend, path, memory_plan)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -382,6 +371,7 @@ class Model:
             "memory_plan": self._memory_plan.to_dict() if self._memory_plan else None,
             "parallel": self.parallel,
             "route": dict(self._route) if self._route is not None else None,
+            "prompt_cache": self._disk.stats if self._disk is not None else None,
         }
 
     @property
@@ -401,6 +391,36 @@ class Model:
     def context_length(self) -> int:
         return self._backend.n_ctx
 
+    # -- state on disk --------------------------------------------------------------------
+
+    def save_state(self, path: str | PathLike[str]) -> int:
+        """Write the current sequence (its tokens and KV cache) to ``path``, atomically, with
+        a fingerprint of this model and its settings; the file's size in bytes. A later
+        ``load_state`` (in any process) resumes it: a prompt that starts with those tokens is
+        not read again. ``SnapshotError`` if the file cannot be written."""
+        with self._state_turn() as states:
+            return session.save_state(states, self._backend, self._history, path)
+
+    def load_state(self, path: str | PathLike[str]) -> list[int]:
+        """Make the sequence a snapshot ``save_state`` wrote; its tokens. A file that is not
+        a snapshot of this model with these settings (another model, engine version, context,
+        a truncated or changed file) raises ``SnapshotError`` naming it."""
+        with self._state_turn() as states:
+            return session.load_state(states, self._backend, self._history, path)
+
+    @contextmanager
+    def _state_turn(self) -> Iterator[SeqStates]:
+        if self._engine is not None:
+            raise InvalidRequestError(
+                "save_state/load_state work on a model loaded with parallel=1; at parallel > 1 "
+                "use prompt_cache"
+            )
+        with self._turns.turn():
+            self._require_open()
+            if self._states is None:
+                self._states = SeqStates(self._backend, self._path)
+            yield self._states
+
     # -- lifecycle ------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -408,10 +428,12 @@ class Model:
         SIGTERM arriving meanwhile takes effect once the engine is freed."""
         if self._engine is not None:
             self._engine.close()  # running sequences end "cancelled"; the loop stops
+        if self._disk is not None:
+            self._disk.flush()  # a snapshot being written is finished (it is atomic anyway)
         with self._turns.turn():
             if not self._closed:
                 self._closed = True
-                with _signals_held():
+                with signals_held():
                     self._backend.close()
 
     def __enter__(self) -> Model:
@@ -463,7 +485,7 @@ class Model:
             self._require_open()
             slide_keep = keep if self._slide else None
             for chunk in generation.run(
-                self._backend, self._history, ids, sampler, cancel, slide_keep
+                self._backend, self._history, ids, sampler, cancel, slide_keep, self._disk
             ):
                 if chunk.finish_reason is not None:
                     final = chunk
@@ -471,28 +493,3 @@ class Model:
                 yield chunk
         if final is not None:
             yield final
-
-
-@contextmanager
-def _signals_held() -> Iterator[None]:
-    """Python's SIGINT and SIGTERM handlers (KeyboardInterrupt, an app's own) run after the
-    block instead of inside it: an exception raised halfway through an engine's teardown
-    leaves native memory half-freed, and the next touch of it is a segmentation fault.
-    Handlers can only be swapped on the main thread, where Python runs them all."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    arrived: list[int] = []
-    saved: dict[int, Any] = {}
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        handler = signal.getsignal(signum)
-        if callable(handler):  # SIG_DFL and SIG_IGN are the kernel's: nothing to hold
-            saved[signum] = handler
-            signal.signal(signum, lambda number, _frame: arrived.append(number))
-    try:
-        yield
-    finally:
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
-        for signum in arrived:
-            saved[signum](signum, None)
