@@ -85,7 +85,7 @@ def test_weights_it_cannot_quantize_are_refused_with_a_conversion_error(bad: np.
 @pytest.mark.parametrize("bits", [4, 8])
 def test_blocks_are_what_matmulnbits_computes(bits: int) -> None:
     """The packing (nibble order, scales' layout) as onnxruntime reads it: the node's output
-    equals x @ dequantized.T."""
+    equals x @ W.T for the W the integers and scales stand for."""
     ort = pytest.importorskip("onnxruntime")
     from onnx import TensorProto, helper, numpy_helper
 
@@ -120,4 +120,5 @@ def test_blocks_are_what_matmulnbits_computes(bits: int) -> None:
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     x = _gaussian(1, k, seed=4)
     (y,) = session.run(None, {"x": x})
-    np.testing.assert_allclose(y, x @ q.dequantize().T, rtol=1e-4, atol=1e-4)
+    expected = quantize_searched(w, bits).dequantize()  # from the integers, not the bytes
+    np.testing.assert_allclose(y, x @ expected.T, rtol=1e-4, atol=1e-4)
