@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import psutil
-
+from .busy import CpuShare, cpu_share
 from .errors import InvalidRequestError
 
 __all__ = ["DEFAULT_CONTEXT_LENGTH", "MAX_THREADS", "LoadConfig"]
@@ -36,6 +34,9 @@ class LoadConfig:
     # Set by load(): re-fits the context to the memory measured once the weights are loaded
     # (edgeinfer.memory.FitAtLoad); takes the model's trained context, returns the context.
     fit_context: Callable[[int], int] | None = field(default=None, compare=False, repr=False)
+    # With threads=None: the CPU share measured the first time threads were resolved (kept
+    # by dataclasses.replace, so one load samples once); backends may re-measure it later.
+    cpu_share: CpuShare | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not self.device:
@@ -71,10 +72,22 @@ class LoadConfig:
 
     @property
     def resolved_threads(self) -> int:
-        """Threads to compute with: the caller's number, else the physical cores."""
+        """Threads to compute with: the caller's number, else the usable cores (physical,
+        affinity, container quota) less those other processes keep busy now (``busy.py``)."""
         if self.threads is not None:
             return self.threads
-        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        share = self.cpu_share
+        if share is None:  # a memo on a frozen config: sampled once, then carried
+            share = cpu_share()
+            object.__setattr__(self, "cpu_share", share)
+        return share.threads
+
+    @property
+    def threads_why(self) -> str:
+        """Why ``resolved_threads`` is what it is (``model.info["threads_why"]``)."""
+        if self.threads is not None:
+            return f"threads={self.threads} was asked for"
+        return self.cpu_share.why if self.cpu_share is not None else "not resolved yet"
 
     def context_for(self, trained: int) -> int:
         """The context to size the KV cache for, given the model's trained context.

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from edgeinfer.busy import ThreadTuner
 from edgeinfer.config import LoadConfig
 from edgeinfer.errors import (
     BackendUnavailableError,
@@ -196,6 +197,8 @@ class LlamaCppBackend:
         try:
             self._n_ctx = config.context_for(int(llama.llama_model_n_ctx_train(self._model)))
             self._threads = config.resolved_threads
+            # threads=None: re-measured between requests (busy.py), set with llama_set_n_threads
+            self._tuner = ThreadTuner(self._threads) if config.threads is None else None
             self._flash_attention = config.flash_attention
             # Prefill is cut into chunks of the planned batch; a decode step carries one token
             # per slot, so the context takes at least n_slots tokens per llama_decode.
@@ -219,6 +222,7 @@ class LlamaCppBackend:
             "device": candidate.device,
             "n_gpu_layers": n_gpu_layers,
             "threads": self._threads,
+            "threads_why": config.threads_why,
             "batch_size": self._chunk,
             "flash_attention": self._flash_attention,
             "parallel": self._n_slots,
@@ -317,6 +321,7 @@ class LlamaCppBackend:
 
     def prefill(self, token_ids: Sequence[int], slot: int = 0) -> np.ndarray:
         past = self._past[check_slot(slot, self._n_slots)]
+        self._retune()
         ids = check_fits(token_ids, past, self._n_ctx)
         chunks = aligned_chunks(ids, past, self._chunk)
         for i, chunk in enumerate(chunks):
@@ -396,6 +401,18 @@ class LlamaCppBackend:
         batch.logits[n - 1] = 1 if want_logits else 0
         self._run_batch((slot,))
         self._past[slot] += n
+
+    def _retune(self) -> None:
+        """Between requests: follow the threads other processes leave free (busy.py).
+        Threads waiting at llama.cpp's barriers for one that another process holds off its
+        core cost 2-3x the decode speed; one thread fewer on a free core costs ~1.5x."""
+        tuner = self._tuner
+        changed = tuner.check() if tuner is not None and self._ctx else None
+        if changed is not None and tuner is not None and tuner.last is not None:
+            self._llama.llama_set_n_threads(self._ctx, changed, changed)
+            self._threads = self._info["threads"] = changed
+            self._info["threads_why"] = tuner.last.why
+            logger.debug("llama.cpp threads now %d (%s)", changed, tuner.last.why)
 
     def _run_batch(self, slots: Sequence[int]) -> None:
         """``llama_decode`` the filled batch; on failure, drop what it wrote to ``slots``."""

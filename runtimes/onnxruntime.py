@@ -120,6 +120,7 @@ class OrtBackend:
             "provider": candidate.provider,
             "device": candidate.device,
             "threads": self._threads,
+            "threads_why": config.threads_why,
             "batch_size": self._chunk,
             "slots": self._n_slots,
             "quantization": manifest.quantization.get("method", "unknown"),

@@ -352,11 +352,13 @@ def run_bench(
 ) -> BenchReport:
     """Measure every model in ``settings``; returns the report, partial when interrupted
     (``report.interrupted``) or when edgeinfer itself failed (``report.errors``)."""
+    from ..busy import busy_record
     from ..inventory import devices
 
     s = settings.checked()
     progress = progress or ProgressLine()
-    report = _new_report(s, machine if machine is not None else devices().to_dict(), command)
+    machine = machine if machine is not None else {**devices().to_dict(), "busy": busy_record()}
+    report = _new_report(s, machine, command)
     bench = _Bench(s, progress, runner, report, rounds=s.warmup + s.repetitions)
     try:
         for index, model in enumerate(s.models):

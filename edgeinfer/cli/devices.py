@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ..busy import busy_record
 from ..errors import InvalidRequestError, MemoryBudgetError
 from ..inventory import DeviceInventory, build_inventory, devices
 from ..memory import FRESH_PROCESS_BYTES, MemoryPlan, plan_memory
@@ -104,6 +105,8 @@ def _print_json(
     args: argparse.Namespace, inventory: DeviceInventory, plan: _ModelPlan | None
 ) -> None:
     out: dict[str, Any] = {"inventory": inventory.to_dict()}
+    if not args.inventory:  # a live machine: how busy it is now
+        out["busy"] = busy_record()
     if plan is not None:
         out["model"] = args.model
         out["plan"] = plan.providers.to_dict()
@@ -119,6 +122,8 @@ def _print_text(
 ) -> None:
     for label, value in _rows(inventory):
         print(f"{label:<12} {value}")
+    if not args.inventory:  # a live machine: how busy it is now
+        print(f"{'cpu load':<12} {busy_record()['line']}")
     if plan is None:
         return
     print(f"\nplan for {plan.source_text}, device={args.device}:")
