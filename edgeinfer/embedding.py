@@ -142,8 +142,15 @@ def embed_texts(
     dim = int(backend.info["embedding_dim"])
     out = np.empty((len(seqs), dim), np.float32)
     mode = backend.info["pooling"]
+    pooled = getattr(backend, "pooled", None)  # a backend that pools itself (llama.cpp)
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
+        if pooled is not None:
+            vectors = pooled([seqs[i] for i in rows])
+            out[rows] = normalized(vectors) if normalize else vectors
+            if on_batch is not None:
+                on_batch(len(rows))
+            continue
         width = max(len(seqs[i]) for i in rows)
         ids = np.zeros((len(rows), width), np.int32)
         mask = np.zeros((len(rows), width), np.int32)

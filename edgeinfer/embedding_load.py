@@ -27,7 +27,13 @@ from .model import Model
 from .policy import plan_providers
 from .runtimes import open_backend
 
-__all__ = ["EncoderModel", "encoder_graph_for", "load_encoder", "plan_embedding_memory"]
+__all__ = [
+    "EncoderModel",
+    "encoder_graph_for",
+    "load_encoder",
+    "plan_embedding_memory",
+    "source_key",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +82,7 @@ def encoder_graph_for(name: str, folder: EncoderFolder) -> Path:
     out = (
         catalog.edgeinfer_home()
         / "derived"
-        / f"{_source_key(name, folder)}-encoder-v{_ENCODER_FORMAT}"
+        / f"{source_key(name, folder)}-encoder-v{_ENCODER_FORMAT}"
     )
     from .manifest import PARTIAL_MARKER
 
@@ -102,7 +108,7 @@ def encoder_graph_for(name: str, folder: EncoderFolder) -> Path:
     return graph
 
 
-def _source_key(name: str, folder: EncoderFolder) -> str:
+def source_key(name: str, folder: EncoderFolder) -> str:
     """The catalog's checksum for a catalog model; else the sha256 of the weights and config."""
     entry = catalog.lookup(name)
     if entry is not None and entry.sha256 is not None and folder.path == catalog.local_path(entry):

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import catalog
 from .config import LoadConfig
+from .embedding_gguf import is_embedding_gguf, load_gguf_embedding
 from .embedding_load import load_encoder
 from .errors import BackendUnavailableError, EdgeInferError, InvalidRequestError, ModelLoadError
 from .inventory import devices
@@ -93,6 +94,8 @@ def load(
     named = resolve(model)
     if named.format == "encoder":  # an embedding model (embedding_load.py): no KV cache, slots
         return load_encoder(named, config, memory_budget, allow_fallback)
+    if named.format == "gguf" and is_embedding_gguf(named.header):  # llama.cpp's embedding mode
+        return load_gguf_embedding(named, config, memory_budget)
     source, route, config = _routed(model, named, config, memory_budget, parallel, engine)
     backend, chain = _open(source, config, allow_fallback)
     return _model(backend, source, chain, config, route, context_overflow, cache)
