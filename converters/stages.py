@@ -54,17 +54,14 @@ class Stages:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    t = report["thresholds"]
-    lines = [
-        f"top-1 agreement {report['top1_agreement']:.1%} (min {t['top1']:.0%}), "
-        f"greedy agreement {report['greedy_agreement']:.1%} (min {t['greedy']:.0%}), "
-        f"mean KL {report['mean_kl']:.4f} over {report['positions']} positions of "
-        f"{report['prompts']} prompts"
-    ]
+    from .validate import summary  # the measures and the verdict live beside the checks
+
+    lines = [summary(report)]
     for row in report["per_prompt"]:
         if row["greedy_fraction"] < 1.0:
+            tie = " (parted at a near-tie)" if row.get("parted_at_tie") else ""
             lines.append(
-                f"  differs: {row['prompt']!r}: source {row['source_text']!r}, "
+                f"  differs{tie}: {row['prompt']!r}: source {row['source_text']!r}, "
                 f"result {row['result_text']!r}"
             )
     return "\n".join(lines)

@@ -12,9 +12,9 @@ _DESCRIPTION = (
     "OUT: an ONNX model folder or one GGUF file. A GGUF SRC goes to ONNX through the native "
     "builder (no torch; its blocks kept exactly, tokenizer.json written from the file's "
     "vocabulary, both checked against llama.cpp on SRC); a Hugging Face folder through "
-    "optimum. The result is compared with the source on fixed prompts; below the "
-    "thresholds the conversion fails and OUT is not written. GGUF results get a report "
-    "beside them, OUT.json."
+    "optimum. The result is compared with the source on fixed prompts and the agreement "
+    "it measured is printed; below the thresholds the conversion fails and OUT is not "
+    "written. GGUF results get a report beside them, OUT.json."
 )
 
 
@@ -100,14 +100,16 @@ def _add_check_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0.90,
         metavar="X",
-        help="least top-1 agreement with the source (default: 0.90)",
+        help="least top-1 agreement with the source where it is decisive (its top token "
+        "leads the runner-up by more than 0.5 nats; near-ties do not count) (default: 0.90)",
     )
     p.add_argument(
         "--min-greedy",
         type=float,
         default=0.60,
         metavar="X",
-        help="least greedy-continuation agreement (default: 0.60)",
+        help="least greedy-continuation agreement, a parting at a near-tie counting as "
+        "agreement (default: 0.60); 0 for both: keep whatever the check measures",
     )
     p.add_argument(
         "--threads",
