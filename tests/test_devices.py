@@ -92,7 +92,13 @@ def test_recorded_accelerators() -> None:
 CPU, LCPU = "CPUExecutionProvider", "llama.cpp:CPU"
 ERR = "error"
 # machine -> {(format, preference): providers in order, or ERR}
+_PI = {
+    ("gguf", "auto"): [LCPU], ("onnx", "auto"): [CPU],
+    ("gguf", "cuda"): ERR, ("onnx", "cuda"): ERR, ("onnx", "npu"): ERR, ("gguf", "metal"): ERR,
+}  # fmt: skip
 CHOICES: dict[str, dict[tuple[str, str], Any]] = {
+    "raspberry-pi-4-1gb": _PI,
+    "raspberry-pi-4-1gb-desktop": _PI,
     "raspberry-pi-5": {
         ("gguf", "auto"): [LCPU], ("onnx", "auto"): [CPU],
         ("gguf", "cuda"): ERR, ("onnx", "cuda"): ERR, ("onnx", "npu"): ERR, ("gguf", "metal"): ERR,
@@ -275,8 +281,9 @@ def test_cli_devices_with_the_default_model(
     assert cli.main(["devices", "smollm2-135m-instruct"]) == 0
     out = capsys.readouterr().out
     assert "llama.cpp" in out and "GPU offload no" in out
-    assert "plan for smollm2-135m-instruct (gguf), device=auto:" in out
-    assert "1. llama.cpp:CPU: llama.cpp CPU kernels on" in out
+    # on the CPU a catalog GGUF runs through its exact ONNX transcode (routes.py)
+    assert "plan for smollm2-135m-instruct (gguf, run as onnx), device=auto:" in out
+    assert "1. CPUExecutionProvider" in out
     assert cli.main(["devices", "smollm2-135m-instruct", "--json", "--device", "cuda",
                      "--allow-fallback"]) == 0  # fmt: skip
     plan = json.loads(capsys.readouterr().out)["plan"]
