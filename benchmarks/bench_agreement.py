@@ -1,8 +1,10 @@
 """How closely a converted model can agree with llama.cpp on the validation prompts, against
 how closely llama.cpp agrees with itself.
 
-Runs the conversion validation (8 prompts, 16 greedy tokens each, top-1 teacher-forced
-agreement, greedy agreement, mean KL) for three pairs on the default model:
+Runs the conversion validation (8 prompts, 16 greedy tokens each: top-1 teacher-forced
+agreement, greedy agreement, mean KL, and the measures the verdict uses, which do not count
+near-ties: decisive top-1, greedy agreement beyond ties, relative KL) for three pairs on the
+default model:
 
 - llama.cpp (its default f16 KV cache) against llama.cpp with an f32 KV cache: the spread of
   llama.cpp's own numerics;
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +71,13 @@ def main() -> int:
     finally:
         backend_class._new_context = default_context
 
-    def figures(report: dict[str, Any]) -> dict[str, float]:
-        return {k: report[k] for k in ("top1_agreement", "greedy_agreement", "mean_kl")}
+    def figures(report: dict[str, Any]) -> dict[str, Any]:
+        keys = ("top1_agreement", "greedy_agreement", "mean_kl", "decisive_positions",
+                "decisive_top1_agreement", "greedy_agreement_beyond_ties",
+                "mean_greedy_prefix", "relative_kl", "positions", "passed")  # fmt: skip
+        return {k: report[k] for k in keys}
+
+    load_before = os.getloadavg()
 
     results = {
         "llama.cpp f16 KV vs llama.cpp f32 KV": figures(compare(ModelReference(f16), f32, cfg))
@@ -80,9 +88,19 @@ def main() -> int:
             results[f"llama.cpp {name} KV vs native ONNX"] = figures(report)
     f16.close()
     f32.close()
-    args.out.write_text(json.dumps({"threads": args.threads, "pairs": results}, indent=1) + "\n")
+    record = {
+        "command": f"python benchmarks/bench_agreement.py {args.folder} --threads {args.threads}",
+        "threads": args.threads,
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+        "pairs": results,
+    }
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
     for name, row in results.items():
-        print(f"{name:40s} top-1 {row['top1_agreement']:.1%}  greedy {row['greedy_agreement']:.1%}")
+        print(
+            f"{name:40s} top-1 {row['top1_agreement']:.1%} (decisive "
+            f"{row['decisive_top1_agreement']:.1%}), greedy {row['greedy_agreement']:.1%} "
+            f"(beyond ties {row['greedy_agreement_beyond_ties']:.1%}), passed {row['passed']}"
+        )
     return 0
 
 

@@ -21,6 +21,7 @@ from ..errors import EdgeInferError
 
 __all__ = [
     "BenchResultError",
+    "check_agreement",
     "check_error",
     "check_report",
     "check_run",
@@ -264,6 +265,52 @@ def check_report(data: Any, what: str) -> dict[str, Any]:
         raise BenchResultError(f"{what}: {exc}") from None
 
 
+def _fraction(v: Any) -> bool:
+    return _figure(v) and v <= 1
+
+
+MAX_AGREEMENT_ENGINES = 64
+_AGREEMENT: dict[str, tuple[Check, str]] = {
+    "reference": (_text, "a printable string"),
+    "prompts": (_count, "a whole number >= 0"),
+    "engines": (
+        lambda v: isinstance(v, list) and len(v) <= MAX_AGREEMENT_ENGINES,
+        f"a list of at most {MAX_AGREEMENT_ENGINES} engines",
+    ),
+}
+_AGREEMENT_ENGINE: dict[str, tuple[Check, str]] = {
+    "engine": (_text, "a printable string"),
+    "engine_model": (_text, "a printable string"),
+}
+_AGREEMENT_FIGURES: dict[str, tuple[Check, str]] = {
+    "provider": (_text, "a printable string"),
+    "positions": (_count, "a whole number >= 0"),
+    "top1_agreement": (_fraction, "a number from 0 to 1"),
+    "decisive_positions": (_count, "a whole number >= 0"),
+    "decisive_top1_agreement": (_fraction, "a number from 0 to 1"),
+    "greedy_agreement": (_fraction, "a number from 0 to 1"),
+    "greedy_agreement_beyond_ties": (_fraction, "a number from 0 to 1"),
+    "mean_greedy_prefix": (_figure, "a number >= 0"),
+    "mean_kl": (_figure, "a number >= 0"),
+    "relative_kl": (_figure, "a number >= 0"),
+}
+
+
+def check_agreement(data: Any, where: str = "agreement") -> dict[str, Any]:
+    """An agreement record (``edgeinfer bench --agreement``): the reference, then per engine
+    either its figures or the one-line error that kept it from having them."""
+    record = _object(data, where)
+    _fields(record, _AGREEMENT, where)
+    for i, engine in enumerate(record["engines"]):
+        at = f"{where}.engines[{i}]"
+        _fields(_object(engine, at), _AGREEMENT_ENGINE, at)
+        if "error" in engine:
+            _fields(engine, {"error": (_text, "a printable string")}, at)
+        else:
+            _fields(engine, _AGREEMENT_FIGURES, at)
+    return record
+
+
 def _check_report(data: Any) -> dict[str, Any]:
     report = _object(data, "")
     _fields(report, _REPORT, "")
@@ -279,4 +326,6 @@ def _check_report(data: Any) -> dict[str, Any]:
             raise BenchResultError(f"{where}.runs must be a non-empty list of runs")
         for j, run in enumerate(runs):
             check_run(run, f"{where}.runs[{j}]", parallel=row.get("parallel"))
+    if report.get("agreement") is not None:
+        check_agreement(report["agreement"])
     return report

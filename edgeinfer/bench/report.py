@@ -95,6 +95,7 @@ class BenchReport:
     notes: list[str] = field(default_factory=list)  # peers skipped, peers that failed
     errors: list[str] = field(default_factory=list)
     interrupted: bool = False
+    agreement: dict[str, Any] | None = None  # --agreement: the reference and each engine's
 
     def row(
         self,
@@ -155,6 +156,19 @@ class BenchReport:
         ratio = row.figure(figure)["mean"] / ours if ours > 0 else math.inf
         return ratio if math.isfinite(ratio) else None
 
+    def agreement_of(self, row: Row) -> dict[str, Any] | None:
+        """The agreement figures of ``row``'s engine on its model (--agreement), or None."""
+        from .agreement import figures_of
+
+        return figures_of(self.agreement, row) if self.agreement is not None else None
+
+    def _agreement_cells(self, r: Row) -> list[str]:
+        if self.agreement is None:
+            return []
+        a = self.agreement_of(r)
+        return ["-", "-"] if a is None else [f"{a['top1_agreement']:.1%}",
+                                             f"{a['mean_greedy_prefix']:.1f}"]  # fmt: skip
+
     # -- JSON -------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -168,6 +182,7 @@ class BenchReport:
             "interrupted": self.interrupted,
             "notes": self.notes,
             "errors": self.errors,
+            "agreement": self.agreement,
             "results": [self._row_dict(r) for r in self.measured()],
         }
 
@@ -193,6 +208,7 @@ class BenchReport:
                 "tg_tok_s": self.ratio(r, "tg_tok_s"),
             },
             **(self._parallel_dict(r) if r.parallel is not None else {}),
+            "agreement": self.agreement_of(r),
             "runs": [
                 {k: v for k, v in x.items() if k not in ("prompt_ids", "ban_ids")} for x in r.runs
             ],
@@ -230,6 +246,7 @@ class BenchReport:
             notes=list(data["notes"]),
             errors=list(data["errors"]),
             interrupted=data["interrupted"],
+            agreement=data.get("agreement"),
         )
         for r in data["results"]:
             row = Row(*(r[key] for key in _ROW_KEYS), runs=[dict(x) for x in r["runs"]],
@@ -246,7 +263,8 @@ class BenchReport:
         if not single and not many:
             return "(nothing measured)\n"
         tables = []
-        for header, body in ((_HEADER, single), (_PARALLEL_HEADER, many)):
+        extra = _AGREEMENT_HEADER if self.agreement is not None else []
+        for header, body in ((_HEADER + extra, single), (_PARALLEL_HEADER + extra, many)):
             if body:
                 lines = _markdown(header, body) if markdown else _boxed(header, body)
                 tables.append("\n".join(lines) + "\n")
@@ -272,6 +290,7 @@ class BenchReport:
             _pm(r.figure("join_ttft_ms"), 1),
             f"{r.figure('peak_rss_mb')['max']:.1f}",
             *(f"{x:.2f}" if x is not None else "-" for x in ratios),
+            *self._agreement_cells(r),
         ]
 
     def _cells(self, r: Row) -> list[str]:
@@ -294,6 +313,7 @@ class BenchReport:
             f"{r.figure('peak_rss_mb')['max']:.1f}",
             f"{plan / MB:.1f}" if plan else "-",
             f"{ratio:.2f}" if ratio is not None else "-",
+            *self._agreement_cells(r),
         ]
 
     def caption(self) -> str:
@@ -315,6 +335,11 @@ class BenchReport:
         if markdown:
             out.insert(0, f"`{' '.join(self.command)}`\n\n")
             out.append(f"\n{self.caption()}\n")
+        if self.agreement is not None:
+            from .agreement import notes_of
+
+            gap = "\n" if markdown else ""
+            out.extend(f"{gap}{line}\n" for line in notes_of(self.agreement))
         for line in self.notes + self.errors:
             out.append(("\n" if markdown else "") + line + "\n")
         if self.interrupted:
@@ -329,7 +354,12 @@ class BenchReport:
         rows = self.measured()
         if not rows:
             return
+        tags = [self.agreement_of(r) for r in rows]
         fig = _figure(plt, rows, self.settings["new_tokens"])
+        if any(tags):
+            from .agreement import tag_bars
+
+            tag_bars(fig.axes[0], [r.figure("tg_tok_s")["mean"] for r in rows], tags)
         try:
             _save(fig, Path(path))
         finally:
@@ -342,7 +372,8 @@ _PARALLEL_HEADER = ["model", "engine", "provider", "threads", "test", "streams",
                     "tg t/s (all)", "tg t/s (all decoding)", "tg t/s per stream",
                     "TTFT p50 ms", "TTFT p95 ms", "join TTFT ms", "peak RSS MB",
                     "tg vs 1 stream", "join TTFT vs alone", "tg vs edgeinfer"]  # fmt: skip
-_RIGHT = {3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}  # the columns of numbers, right-aligned
+_AGREEMENT_HEADER = ["top-1 vs ref", "greedy prefix"]  # with --agreement
+_RIGHT = {3, *range(5, 18)}  # the columns of numbers, right-aligned
 _PALETTE = ["#3b7dd8", "#d8873b", "#4aa35a", "#a34a9b", "#7f7f7f"]  # one colour per engine
 
 

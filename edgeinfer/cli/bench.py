@@ -158,6 +158,19 @@ def _add_peer_flags(p: argparse.ArgumentParser) -> None:
         "place of MODEL for that peer",
     )
     p.add_argument(
+        "--agreement",
+        action="store_true",
+        help="also measure each row's answers against a reference, llama.cpp on the model's "
+        "GGUF (or --reference), in the same run: teacher-forced top-1 agreement and the "
+        "greedy prefix before the first divergence, on the conversion check's prompts",
+    )
+    p.add_argument(
+        "--reference",
+        type=Path,
+        metavar="FILE.gguf",
+        help="--agreement's reference when MODEL is no GGUF (an ONNX folder of it, say)",
+    )
+    p.add_argument(
         "--timeout",
         type=float,
         default=DEFAULT_RUN_TIMEOUT_S,
@@ -235,6 +248,10 @@ def _read_saved(path: Path) -> BenchReport:
 def _measure(args: argparse.Namespace) -> BenchReport:
     if not args.models:
         raise InvalidRequestError("name at least one MODEL to benchmark (or --from FILE.json)")
+    if args.reference is not None and not (args.agreement and args.reference.is_file()):
+        raise InvalidRequestError(
+            f"--reference {args.reference}: give an existing .gguf file, with --agreement"
+        )
     settings = BenchSettings(
         models=tuple(args.models),
         prompt_tokens=int_list("-p/--prompt-tokens", args.prompt_tokens),
@@ -253,4 +270,11 @@ def _measure(args: argparse.Namespace) -> BenchReport:
     )
     argv = sys.argv[1:]
     command = ["edgeinfer", *argv[argv.index("bench") :]] if "bench" in argv else []
-    return run_bench(settings, progress=ProgressLine(sys.stderr), command=command)
+    report = run_bench(settings, progress=ProgressLine(sys.stderr), command=command)
+    if args.agreement and not report.interrupted:
+        from ..bench.agreement import add_agreement
+
+        print("measuring agreement with the reference ...", file=sys.stderr, flush=True)
+        add_agreement(report, settings.models, args.reference, route=args.engine,
+                      timeout_s=args.timeout)  # fmt: skip
+    return report
