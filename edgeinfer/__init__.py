@@ -24,6 +24,7 @@ from .errors import (
     ModelLoadError,
     NotAGenerativeModelError,
     NotAnEmbeddingModelError,
+    SnapshotError,
 )
 from .generation import Chunk, GenerationResult, GenerationStats, TokenStream
 from .inventory import DeviceInventory, devices
@@ -32,6 +33,7 @@ from .memory import MemoryPlan
 from .model import Model
 from .policy import ProviderPlan, plan_providers
 from .sampling import SamplingConfig
+from .state import PromptCache
 
 __version__ = "0.1.0"
 
@@ -54,8 +56,10 @@ __all__ = [
     "ModelLoadError",
     "NotAGenerativeModelError",
     "NotAnEmbeddingModelError",
+    "PromptCache",
     "ProviderPlan",
     "SamplingConfig",
+    "SnapshotError",
     "TokenStream",
     "__version__",
     "devices",
