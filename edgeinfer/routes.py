@@ -4,10 +4,14 @@ for a catalog GGUF, which of the two. A pure function of its inputs (``choose_ro
 A catalog GGUF has an exact ONNX transcode (the native builder keeps the file's blocks, built
 once into ``$EDGEINFER_HOME/derived``). It runs through that transcode when llama.cpp is not
 installed, when the device is one only ONNX Runtime drives (an NPU, DirectML, a named
-provider), and when many sequences run at once on the CPU (``parallel > 1``): one forward
+provider), and on the CPU whenever onnxruntime and onnx are installed. On the CPU, measured
+on the default model: one sequence decodes level on both routes on an idle machine, the
+transcode reaches its first token in about half the time and loses less speed beside other
+work (README "Busy machine"); many sequences (``parallel > 1``) gain more, since one forward
 pass over 8 sequences' tokens gives 4.2-5.2x the throughput of one on the ONNX graph and
-2.3x on llama.cpp's Q4_1 kernels on this class of CPU (``shared/notes/batching.md``), so
-the same weights batch about 2x better there. On a GPU llama.cpp keeps the model.
+2.3x on llama.cpp's Q4_1 kernels on this class of CPU (``shared/notes/batching.md``). It
+costs memory: the transcode's process peaks higher (323.9 against 199.1 MB in
+``benchmarks/results/bench-native.json``). On a GPU llama.cpp keeps the model.
 
 ``engine="llama.cpp"`` or ``engine="onnxruntime"`` (``load()``'s option) overrides the rule;
 a GGUF named by its path runs on llama.cpp unless ``engine="onnxruntime"`` is asked, which
@@ -98,25 +102,31 @@ def _catalog_gguf_route(
         return Route("onnx", "gguf", f"llama.cpp is not installed: {_TRANSCODE}")
     if device not in _GGUF_DEVICES:
         return Route("onnx", "gguf", f"device={device!r} is ONNX Runtime's: {_TRANSCODE}")
-    if parallel == 1:
-        return Route("gguf", "gguf", "one sequence at a time: llama.cpp runs the file")
     if llama_device != "cpu":
-        return Route(
-            "gguf",
-            "gguf",
-            f"parallel={parallel} on the {llama_device} GPU: llama.cpp batches there",
-        )
+        return Route("gguf", "gguf", f"on the {llama_device} GPU: llama.cpp runs the file there")
+    if parallel == 1 and device not in ("auto", "cpu"):
+        return Route("gguf", "gguf", f"device={device!r}: llama.cpp's GPU build runs the file")
     missing = [p for p in ("onnxruntime", "onnx") if p not in installed]
     if missing:
         return Route(
             "gguf",
             "gguf",
-            f"parallel={parallel}: {_TRANSCODE} would batch better on this CPU, but "
+            f"{_cpu_case(parallel)}: {_TRANSCODE} would run better on this CPU, but "
             f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed "
             "(pip install 'edgeinfer[onnx]'); llama.cpp runs the file",
         )
-    return Route(
-        "onnx",
-        "gguf",
-        f"parallel={parallel}: {_TRANSCODE} batches better on this CPU than llama.cpp",
-    )
+    return Route("onnx", "gguf", f"{_cpu_case(parallel)}: {_TRANSCODE} {_CPU_WHY[parallel > 1]}")
+
+
+# Measured on the default model (README "Busy machine" and "Performance"): one sequence on
+# the CPU decodes level on both routes idle, the transcode's time to first token is about
+# half llama.cpp's and it loses less beside other work; many sequences batch ~2x better on it.
+_CPU_WHY = {
+    False: "runs better on the CPU than llama.cpp (half the time to first token, decode "
+    "level, less slowdown beside other work); engine='llama.cpp' runs the file",
+    True: "batches better on this CPU than llama.cpp",
+}
+
+
+def _cpu_case(parallel: int) -> str:
+    return f"parallel={parallel}" if parallel > 1 else "one sequence on the CPU"

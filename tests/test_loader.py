@@ -81,6 +81,7 @@ def test_engine_rejection_is_a_model_load_error(default_gguf: Path, tmp_path: Pa
 @pytest.mark.model
 def test_catalog_name_loads_from_the_cache(default_gguf: Path) -> None:
     # the fixture filled the cache; loading by name must use it as it is
-    with edgeinfer.load("smollm2-135m-instruct", context_length=256) as model:
+    # engine="llama.cpp": the file itself (on the CPU the catalog name runs its transcode)
+    with edgeinfer.load("smollm2-135m-instruct", context_length=256, engine="llama.cpp") as model:
         assert model.info["path"] == str(default_gguf)
         assert model.info["format"] == "gguf" and model.context_length == 256

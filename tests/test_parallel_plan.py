@@ -291,8 +291,11 @@ ALL = ("llama_cpp", "onnxruntime", "onnx")
 @pytest.mark.parametrize(
     ("parallel", "device", "installed", "engine", "llama_device", "expected"),
     [
-        (1, "auto", ALL, "auto", "cpu", "gguf"),  # today's rule
-        (1, "cpu", ALL, "auto", "cpu", "gguf"),
+        (1, "auto", ALL, "auto", "cpu", "onnx"),  # on the CPU: README "Busy machine"
+        (1, "cpu", ALL, "auto", "cpu", "onnx"),
+        (1, "auto", ("llama_cpp", "onnxruntime"), "auto", "cpu", "gguf"),  # no builder
+        (1, "auto", ALL, "auto", "cuda", "gguf"),  # llama.cpp on a GPU
+        (1, "cuda", ALL, "auto", "cpu", "gguf"),  # a GPU wish stays with llama.cpp
         (2, "auto", ALL, "auto", "cpu", "onnx"),  # batches better on the CPU
         (8, "cpu", ALL, "auto", "cpu", "onnx"),
         (8, "auto", ALL, "auto", "cuda", "gguf"),  # llama.cpp on a GPU batches there
