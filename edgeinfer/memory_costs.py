@@ -72,10 +72,11 @@ COSTS = {
         score_bytes=8.0,
         compute_fixed_bytes=8 * MiB,
         thread_bytes=THREAD_BYTES,
-        # the graph's [batch, vocab] fp32 logits in the arena, plus the numpy copy of the
-        # previous prefill chunk's, alive while the next chunk runs (measured: +100 MB at
-        # batch 512 with a 49k vocabulary)
-        logits_per_batch_token=8,
+        # the graph's [batch, vocab] fp32 logits in the arena. The backend keeps a copy of
+        # the last row only, so the previous chunk's block is back in the arena while the
+        # next chunk runs (a view of it was held before: measured +100 MB at batch 512 with
+        # a 49k vocabulary, when this was 8)
+        logits_per_batch_token=4,
         weight_factor={"fp32": 1.05, "fp16": 1.05, "int8": 1.55, "int4": 1.05, "int8wo": 0.75,
                        "default": 1.2},
     ),

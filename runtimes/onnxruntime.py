@@ -274,7 +274,9 @@ class OrtBackend:
             self._past = list(outputs[1:])  # present.* become the next step's past
         if one_buffer:
             return self._logits[0, -1]
-        return outputs[0].numpy()[0, -1]  # [vocab]: the last position only
+        # [vocab]: a copy of the last position's row, so the chunk's [chunk, vocab] block
+        # (outputs[0]; numpy() is a view that keeps it alive) is freed before the next run
+        return np.array(outputs[0].numpy()[0, -1])
 
     def _execute(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray | None) -> None:
         binding = self._binding
