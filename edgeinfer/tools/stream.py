@@ -9,10 +9,17 @@ that starts as a call is held to its end and parsed then.
 A call that fails its check is released as plain text and its reason ends up in
 ``result.tool_call_error``; the finish reason is then the model's own ("stop", "length"),
 never "tool_calls". Whitespace between calls is dropped.
+
+A call identical to one the reply already holds (same name, same arguments) ends the reply:
+a greedy model that has made its call tends to repeat it until the length limit. The repeat
+is dropped, generation is stopped there, and the reply finishes "tool_calls" with the calls
+before it. (The forcing grammar also bounds a reply's calls, formats.MAX_PARALLEL_CALLS.)
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +30,8 @@ from .parse import ToolCallError, calls_of, opener, split_reply
 from .spec import Tool
 
 __all__ = ["ToolCallStream"]
+
+logger = logging.getLogger(__name__)
 
 _WHOLE_REPLY_MARKERS = {
     "llama3": ("{", "<|python_tag|>"),
@@ -43,6 +52,8 @@ class ToolCallStream(TokenStream):
         self._in_call = False
         self._mode: str | None = None  # whole-reply formats: "call" or "text" once known
         self._calls: list[dict[str, Any]] = []
+        self._seen: set[tuple[str, str]] = set()  # (name, canonical arguments) of each call
+        self._repeated = False  # a repeated call ended the reply; generation was stopped
         self._error: str | None = None
         self._unsent: list[int] = []
         self._pending: deque[Chunk] = deque()
@@ -61,7 +72,8 @@ class ToolCallStream(TokenStream):
         self._inner.close()
 
     def _take(self, chunk: Chunk) -> None:
-        self._buffer += chunk.text
+        if not self._repeated:  # after a repeat, what the model still wrote is dropped
+            self._buffer += chunk.text
         self._unsent.extend(chunk.token_ids)
         final = chunk.finish_reason is not None
         text, calls = self._scan(final)
@@ -71,6 +83,8 @@ class ToolCallStream(TokenStream):
             return
         assert chunk.finish_reason is not None and chunk.stats is not None
         reason = chunk.finish_reason
+        if self._repeated and reason == "cancelled":  # we stopped it, at the end of a call
+            reason = "stop"
         if self._calls and self._error is None and reason == "stop":
             reason = "tool_calls"
         last = Chunk(text, self._ids_out(), reason, chunk.stats, tuple(calls))
@@ -121,6 +135,7 @@ class ToolCallStream(TokenStream):
             except ToolCallError as exc:
                 self._error = str(exc)
                 return raw, []
+        calls = self._new(calls)
         self._calls += calls
         return "", calls
 
@@ -151,11 +166,34 @@ class ToolCallStream(TokenStream):
                 text.append(self._plain(raw, True))
                 continue
             self._space = ""  # whitespace before a call is dropped
-            self._calls += found
-            calls += found
+            fresh = self._new(found)
+            self._calls += fresh
+            calls += fresh
+            if len(fresh) < len(found):
+                self._stop_repeating()
+                break
         if final and self._space and not self._calls:
             text.append(self._space)
         return "".join(text), calls
+
+    def _new(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``calls`` up to the first that repeats one already made (in this reply)."""
+        fresh: list[dict[str, Any]] = []
+        for call in calls:
+            function = call["function"]
+            arguments = json.dumps(json.loads(function["arguments"]), sort_keys=True)
+            key = (function["name"], arguments)
+            if key in self._seen:
+                break
+            self._seen.add(key)
+            fresh.append(call)
+        return fresh
+
+    def _stop_repeating(self) -> None:
+        logger.debug("a tool call repeated an earlier one: the reply ends before it")
+        self._repeated = True
+        self._buffer, self._in_call = "", False
+        self._inner.cancel()
 
     def _plain(self, text: str, settled: bool) -> str:
         """``text`` to hand out, with whitespace held while a call may follow it."""
