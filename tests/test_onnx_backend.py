@@ -60,17 +60,46 @@ def test_onnx_tokenizer_equals_the_gguf_tokenizer(
         assert onnx.detokenize(ids) == gguf.detokenize(ids)
 
 
-@pytest.mark.parametrize("quant", ["int8", "int8wo", "int4"])
+# The lowest agreement with the fp32 source each quantization may report (top-1, greedy) and
+# the highest mean KL: the README's validation table (results/onnx-validation.json) less a
+# margin, so a converter change that costs fidelity fails here.
+FLOORS = {
+    "fp32": (1.0, 1.0, 1e-4),
+    "int8wo": (0.90, 0.60, 0.01),  # passes the default thresholds
+    "int4": (0.55, 0.10, 0.6),
+    "int8": (0.70, 0.15, 0.3),
+}
+
+
+@pytest.mark.parametrize(
+    "quant",
+    [
+        "fp32",
+        "int8wo",
+        "int4",
+        pytest.param(
+            "int8",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="ONNX Runtime's dynamic int8 quantization of the default model gives "
+                "1.6% top-1 agreement on the CI machine (issue 28); it was 76.6% earlier",
+            ),
+        ),
+    ],
+)
 def test_quantized_models_report_their_agreement(
     default_onnx: Callable[[str], Path], quant: str
 ) -> None:
-    """Each quantization is validated against its source in the same run; those that pass
-    the default thresholds load and answer."""
+    """Each quantization is validated against its source in the same run, at or above its
+    floor; those that pass the default thresholds load and answer."""
     import json
 
     folder = default_onnx(quant)
     report = json.loads((folder / "edgeinfer.json").read_text())["validation"]
-    assert report["positions"] > 0 and 0.0 <= report["top1_agreement"] <= 1.0
+    top1, greedy, kl = FLOORS[quant]
+    assert report["positions"] == 128, report
+    assert report["top1_agreement"] >= top1 and report["greedy_agreement"] >= greedy, report
+    assert report["mean_kl"] <= kl, report
     if report["top1_agreement"] >= 0.90 and report["greedy_agreement"] >= 0.60:
         with edgeinfer.load(folder, context_length=128) as model:
             text = model.generate("The capital of France is", max_new_tokens=16, temperature=0)

@@ -255,7 +255,10 @@ def test_disconnect_cancels_and_the_next_request_is_fresh(
         time.sleep(0.05)
     (line,) = server.lines(r"status=499")
     generated = int(re.search(r"completion_tokens=(\d+)", line).group(1))
-    assert generated < CONTEXT - 10  # stopped well before the context was full
+    late = int(re.search(r"tokens_after_cancel=(\d+)", line).group(1))
+    # "within a token": after the server saw the client leave, the step under way ends (and
+    # one token may have been made but not yet handed to the reply); nothing more is generated
+    assert 3 <= generated and late <= 2, line
     reply = server.client().completions.create(
         model=MODEL_ID, prompt="The quick brown fox", logit_bias=BAN_EOS, **GREEDY
     )
