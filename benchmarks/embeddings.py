@@ -8,7 +8,11 @@
   against ``SentenceTransformer.encode`` on torch (CPU) and with ``backend="onnx"`` (its
   optimum export, made once per run). One subprocess per engine run, engines interleaved
   (A B C C B A ...), one warm-up pass and 5 measured passes each; medians and ranges, and
-  the ratio within each round (robust to a load that drifts between rounds).
+  the ratio within each round (robust to a load that drifts between rounds);
+- the GGUF route (``edgeinfer-gguf``): the same weights converted once to a float32 BERT GGUF
+  (``edgeinfer.embedding_gguf.derived_encoder_gguf``) run in llama.cpp's embedding mode,
+  when llama-cpp-python and gguf are installed. Each engine's lowest cosine to
+  sentence-transformers (torch) stands beside its rate in the summary.
 
     python benchmarks/embeddings.py [--rounds 4] [--threads 2] [--out FILE.json]
 
@@ -32,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from edgeinfer.bench.embed import tickets  # the workload edgeinfer bench measures too
+
 MODEL = "all-minilm-l6-v2"
 BATCH = 32
 PASSES = 5
@@ -52,35 +58,24 @@ MULTILINGUAL = [
     "long " + "a very long document about nothing in particular, " * 200,
 ]
 
-_ITEMS = ["printer", "laptop", "router", "phone app", "account", "email", "VPN", "invoice"]
-_ISSUES = [
-    "stopped working after the last update",
-    "shows error code {n} when I try to log in",
-    "is very slow since this morning and the whole team is blocked",
-    "was charged twice",
-    "does not sync",
-    "keeps disconnecting every few minutes, even after a restart and a reinstall",
-]
-
-
-def tickets(n: int = 256) -> list[str]:
-    """Deterministic short support tickets of varied length."""
-    out = []
-    for i in range(n):
-        issue = _ISSUES[i % len(_ISSUES)].format(n=100 + i % 37)
-        tail = " Please help, it is urgent." if i % 3 == 0 else ""
-        out.append(f"Ticket #{1000 + i}: my {_ITEMS[i % len(_ITEMS)]} {issue}.{tail}")
-    return out
-
-
 # -- workers (one per subprocess) ------------------------------------------------------------
 
 
+def gguf_path() -> Path:
+    """The catalog model's folder as a GGUF, converted once into $EDGEINFER_HOME/derived."""
+    from edgeinfer import catalog
+    from edgeinfer.embedding_gguf import derived_encoder_gguf
+    from edgeinfer.encoder_folder import read_encoder_folder
+
+    return derived_encoder_gguf(MODEL, read_encoder_folder(catalog.fetch(MODEL)))
+
+
 def _encoder(engine: str, threads: int, st_onnx: str | None) -> Any:
-    if engine == "edgeinfer":
+    if engine in ("edgeinfer", "edgeinfer-gguf"):
         import edgeinfer
 
-        model = edgeinfer.load(MODEL, threads=threads)
+        source = gguf_path() if engine == "edgeinfer-gguf" else MODEL
+        model = edgeinfer.load(source, threads=threads)
         return lambda texts: model.embed(texts, batch_size=BATCH)
     import torch
 
@@ -165,6 +160,9 @@ def main() -> None:
     if args.worker:
         return worker(args.worker, args.threads, Path(args.result), args.st_onnx)
     engines = ["edgeinfer", "st-torch"] + (["st-onnx"] if _has("optimum") else [])
+    if _has("llama_cpp") and _has("gguf"):
+        engines.append("edgeinfer-gguf")
+        gguf_path()  # converted before any timing
     with tempfile.TemporaryDirectory() as tmp:
         st_onnx = Path(tmp) / "st-onnx"
         if "st-onnx" in engines:
@@ -230,6 +228,13 @@ def _report(
     summary = {
         "texts_per_s_median": {e: round(v, 1) for e, v in median.items()},
         "texts_per_s_range": {e: [round(min(v), 1), round(max(v), 1)] for e, v in rates.items()},
+        "min_cosine_to_st_torch": {
+            e: min(
+                min(f["multilingual_cosine_to_st_torch"].values()),
+                f["tickets_min_cosine_to_st_torch"],
+            )
+            for e, f in fidelity.items()
+        },
         "edgeinfer_vs": {e: round(median["edgeinfer"] / median[e], 3) for e in engines[1:]},
         "edgeinfer_vs_per_round": {
             e: [
@@ -263,7 +268,14 @@ def _report(
         },
         "versions": {
             p: _version(p)
-            for p in ("edgeinfer", "onnxruntime", "sentence-transformers", "torch", "optimum")
+            for p in (
+                "edgeinfer",
+                "onnxruntime",
+                "sentence-transformers",
+                "torch",
+                "optimum",
+                "llama-cpp-python",
+            )
         },
         "summary": summary,
         "fidelity": fidelity,

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..bench.embed import cmd_bench_embed, is_embedding_model
 from ..bench.records import BenchResultError
 from ..bench.report import BenchReport, plot_missing_message
 from ..bench.runner import DEFAULT_RUN_TIMEOUT_S, BenchSettings, ProgressLine, run_bench
@@ -211,6 +212,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise InvalidRequestError(
                 f"--plot {args.plot}: folder {args.plot.parent} does not exist"
             )
+    if args.saved is None and args.models and all(map(is_embedding_model, args.models)):
+        return cmd_bench_embed(args)  # texts/s of embedding models (bench/embed.py)
     if args.saved is not None:
         if args.models:
             raise InvalidRequestError("--from prints a saved result: name no MODEL with it")
