@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -111,8 +111,10 @@ class Engine:
         *,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         max_step_tokens: int | None = None,
+        disk: Any = None,
     ) -> None:
         self._backend = backend
+        self._disk = disk  # a prompt cache (edgeinfer.state.attached): prefixes from disk
         self._slots = [_Slot(SlotView(backend, s)) for s in range(backend.n_slots)]
         self._chunk = max(REUSE_GRANULE, prefill_chunk - prefill_chunk % REUSE_GRANULE)
         self._max_step = max_step_tokens or backend.n_slots + self._chunk
@@ -210,6 +212,8 @@ class Engine:
         seq.t_start = request.t_submit
         slot.seq = seq
         try:
+            if self._disk is not None:
+                seq.disk = self._disk.restore(slot.view, slot.history, request.ids, slot.view.slot)
             seq.reused = slot.history.reuse(slot.view, request.ids)
         except BaseException as exc:
             self._end(slot, exc)
@@ -284,7 +288,10 @@ class Engine:
         slot.history.batched = slot.done
         if not slot.pending:
             slot.seq.t_first = slot.seq.t_last = time.perf_counter()
+            prefilled = len(request.ids) - slot.seq.reused
             self._advance(slot, logits)
+            if self._disk is not None:  # the slot holds the prompt until its next decode
+                self._disk.remember(request.ids, prefilled, slot.view.slot)
         return budget
 
     def _advance(self, slot: _Slot, logits: np.ndarray) -> None:

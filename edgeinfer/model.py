@@ -71,10 +71,12 @@ class Model:
         self._turns = Turns()
         self._closed = False
         self._route = dict(route) if route is not None else None
-        # parallel > 1: one engine thread steps every caller's sequence together
-        self._engine = Engine(backend) if getattr(backend, "n_slots", 1) > 1 else None
         self._states: SeqStates | None = None  # save_state / load_state, made when first used
         self._disk = attach_cache(prompt_cache, backend, path, memory_plan)
+        # parallel > 1: one engine thread steps every caller's sequence together
+        self._engine = None
+        if getattr(backend, "n_slots", 1) > 1:
+            self._engine = Engine(backend, disk=self._disk)
 
     # -- requests -------------------------------------------------------------------------
 

@@ -35,6 +35,9 @@ def layout(backend: Any) -> dict[str, Any]:
         "swa_full": True,
         "gpu_layers": int(backend._info.get("n_gpu_layers", 0)),
         "whole_only": whole_only(backend),
+        # a context of n sequences keeps n KV streams, and its sequence state says so: one
+        # of another parallel is refused by llama.cpp (read 0 bytes)
+        "parallel": int(backend._n_slots),
     }
 
 
