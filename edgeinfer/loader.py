@@ -69,11 +69,10 @@ def load(
 
     ``engine`` picks what runs a GGUF: "auto", "llama.cpp" (the file) or "onnxruntime" (its
     exact ONNX transcode; catalog names only). With "auto" a catalog GGUF runs on its
-    transcode (the same blocks, built once) on the CPU when onnxruntime and onnx are
-    installed (half the time to first token, decode level, less slowdown beside other work,
-    and it batches about 2x better), without llama.cpp, and on a device only ONNX Runtime
-    drives; llama.cpp runs the file on a GPU or when onnx is missing (``routes.py``).
-    ``model.info["route"]`` says which route was taken and why.
+    transcode (the same blocks, built once) on the CPU when onnxruntime and onnx are installed
+    (half the time to first token, decode level, less slowdown beside other work), without
+    llama.cpp, and on ONNX Runtime's devices; llama.cpp runs the file on a GPU or when onnx
+    is missing (``routes.py``). ``model.info["route"]`` says which route was taken and why.
 
     Memory is planned before anything is allocated (``model.info["memory_plan"]``):
     ``memory_budget`` (bytes or "512MB", "1.5GiB"; default: what the process uses now plus

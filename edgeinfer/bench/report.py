@@ -335,6 +335,9 @@ class BenchReport:
         if markdown:
             out.insert(0, f"`{' '.join(self.command)}`\n\n")
             out.append(f"\n{self.caption()}\n")
+        busy = self.machine.get("busy")  # how busy the machine was when the bench began
+        if isinstance(busy, dict) and isinstance(busy.get("line"), str):
+            out.append(("\n" if markdown else "") + f"cpu load at start: {busy['line']}\n")
         if self.agreement is not None:
             from .agreement import notes_of
 
