@@ -132,6 +132,12 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         explicit = {s: v for s, v in medians.items() if s.startswith("t") and ":" not in s}
         best = max(explicit, key=explicit.__getitem__) if explicit else None
         row: dict[str, Any] = {"route": route, "hogs": hogs, "median_decode_tok_s": medians}
+        failed = {
+            r["setting"]: r["error"] for r in runs if (r["route"], r["hogs"]) == (route, hogs)
+            and "error" in r
+        }  # fmt: skip
+        if failed:  # a run past --run-timeout: slower than any measured one, not in the medians
+            row["failed"] = failed
         if best and "default" in medians:
             row["best_threads"] = best
             row["default_vs_best"] = round(medians["default"] / explicit[best], 3)
@@ -161,7 +167,14 @@ def main() -> int:
     parser.add_argument("--routes", default=",".join(ROUTES))
     parser.add_argument("--settings", default="default,t1,t2")
     parser.add_argument("-o", "--out", type=Path, default=RESULTS)
+    parser.add_argument("--resummarise", type=Path, help="recompute a results file's summary")
     args = parser.parse_args()
+    if args.resummarise:
+        data = json.loads(args.resummarise.read_text())
+        data["summary"] = summarise(data["runs"])
+        args.resummarise.write_text(json.dumps(data, indent=1) + "\n")
+        print(json.dumps(data["summary"], indent=1))
+        return 0
     if args.worker:
         print(_MARK + json.dumps(worker(json.loads(args.worker))), flush=True)
         return 0
@@ -172,10 +185,19 @@ def main() -> int:
     load_start = os.getloadavg()
     for n in range(args.rounds):
         _round(args, n, runs)
+        result = _write(args, runs, load_start, rounds_done=n + 1)  # each round: a partial run
+    print(json.dumps(result["summary"], indent=1))
+    return 0
+
+
+def _write(
+    args: argparse.Namespace, runs: list[dict[str, Any]], load_start: Any, rounds_done: int
+) -> dict[str, Any]:
     result = {
         "command": "python benchmarks/busy_cpu.py " + " ".join(sys.argv[1:]),
         "machine": _machine(),
         "idle_means": "no hog of ours; other processes on the shared machine may run",
+        "rounds_done": rounds_done,
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),
         "summary": summarise(runs),
@@ -183,8 +205,7 @@ def main() -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["summary"], indent=1))
-    return 0
+    return result
 
 
 if __name__ == "__main__":
