@@ -65,7 +65,7 @@ def is_embedding_model(model: str) -> bool:
 
     try:
         source = resolve(model)
-    except EdgeInferError:
+    except (EdgeInferError, OSError, ValueError):  # the generation bench says what is wrong
         return False
     return source.format == "encoder" or (
         source.format == "gguf" and is_embedding_gguf(source.header)
