@@ -118,3 +118,25 @@ def test_any_model_name_answers_with_the_served_model(
     )
     assert {chunk.model for chunk in stream} == {str(tiny_llama_gguf)}
     assert [m.id for m in client.models.list().data] == [str(tiny_llama_gguf)]
+
+
+def test_any_model_name_covers_embeddings(tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("tokenizers")
+    from starlette.testclient import TestClient
+
+    from edgeinfer.serve.app import create_app
+    from edgeinfer.serve.config import ServerConfig
+
+    from .bertgen import make_bert_folder
+
+    folder = make_bert_folder(tmp_path / "bert", max_seq_length=16)
+    body = {"input": "hello", "model": "text-embedding-3-small"}
+    with edgeinfer.load(folder, threads=1) as model:
+        for any_name, status in ((False, 404), (True, 200)):
+            app = create_app(model, ServerConfig(name="bert", any_model_name=any_name))
+            with TestClient(app, base_url="http://127.0.0.1") as client:
+                r = client.post("/v1/embeddings", json=body)
+                assert r.status_code == status, r.text
+                if status == 200:
+                    assert r.json()["model"] == "bert"

@@ -125,7 +125,11 @@ async def _answer(ctx: Context, request: Request) -> dict[str, Any]:
         )
     body = await read_json(request, ctx.config.max_body_bytes)
     parsed = parse_embeddings(body, int(info["embedding_dim"]))
-    if parsed.model is not None and parsed.model not in (ctx.config.name, "default"):
+    if (
+        parsed.model is not None
+        and not ctx.config.any_model_name  # --any-model-name: every name is the served one
+        and parsed.model not in (ctx.config.name, "default")
+    ):
         raise wire.WireError(
             404,
             f"model {wire.shown(parsed.model)} is not served here; this server serves "
