@@ -1,0 +1,66 @@
+"""The README's optimum validation table: each converted folder's own validation report.
+
+Reads ``edgeinfer.json`` of the default model's ONNX conversions that the tests make
+(``pytest -m model tests/test_onnx_backend.py``: optimum's export of the dequantized
+checkpoint, validated against transformers in fp32 on 8 prompts x 16 tokens) and writes the
+figures with each folder's build time, so the table names when they were measured.
+
+    python benchmarks/onnx_validation.py [--derived DIR]
+
+Writes benchmarks/results/onnx-validation.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Any
+
+QUANTS = ("fp32", "int8wo", "int8", "int4")
+
+
+def default_derived() -> Path:
+    from edgeinfer import catalog
+
+    entry = catalog.CATALOG[catalog.DEFAULT_MODEL]
+    assert entry.sha256 is not None
+    return catalog.edgeinfer_home() / "derived" / f"{entry.sha256[:16]}-r2"
+
+
+def row(folder: Path) -> dict[str, Any]:
+    from edgeinfer.bounded_json import read_json_file
+
+    manifest = folder / "edgeinfer.json"
+    report = read_json_file(manifest)["validation"]
+    built = dt.datetime.fromtimestamp(manifest.stat().st_mtime, tz=dt.UTC)
+    top1, greedy = float(report["top1_agreement"]), float(report["greedy_agreement"])
+    return {
+        "folder": folder.name,
+        "built_utc": built.isoformat(timespec="seconds"),
+        "top1_agreement_pct": round(100 * top1, 1),
+        "greedy_agreement_pct": round(100 * greedy, 1),
+        "mean_kl": round(float(report["mean_kl"]), 4),
+        "passes_defaults": top1 >= 0.90 and greedy >= 0.60,
+        "report": {k: v for k, v in report.items() if k != "per_prompt"},
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--derived", type=Path, default=None)
+    ap.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "onnx-validation.json"
+    )
+    args = ap.parse_args()
+    derived = args.derived or default_derived()
+    rows = {q: row(derived / f"onnx-{q}") for q in QUANTS if (derived / f"onnx-{q}").is_dir()}
+    args.out.write_text(json.dumps({"derived": str(derived), "rows": rows}, indent=1) + "\n")
+    for quant, r in rows.items():
+        print(quant, r["top1_agreement_pct"], r["greedy_agreement_pct"], r["mean_kl"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
