@@ -54,6 +54,9 @@ ARCHITECTURE_LIMITS: dict[str, int] = {
 _MISSING = object()
 
 
+NOT_CHECKED = "built without comparing its answers with its source"
+
+
 @dataclass(frozen=True)
 class Architecture:
     model_type: str
@@ -88,7 +91,21 @@ class Manifest:
 
     def write(self, folder: Path) -> None:
         data = asdict(self)
+        if not data["validation"]:  # say so: a folder nobody compared with its source
+            data["validation"] = {"skipped": NOT_CHECKED}
         (folder / MANIFEST_NAME).write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+
+    def validation_summary(self) -> str:
+        """One line: what the folder was checked against, or that it was not."""
+        report = self.validation
+        if not report or "skipped" in report:
+            return f"not validated ({report.get('skipped', NOT_CHECKED)})"
+        if report.get("passed") is False:
+            return "failed validation"
+        against = report.get("reference", "its source")
+        top1 = report.get("top1_agreement")
+        figures = f", top-1 {100 * float(top1):.1f}%" if isinstance(top1, int | float) else ""
+        return f"validated against {against}{figures}"
 
     @classmethod
     def read(cls, folder: Path) -> Manifest:

@@ -28,6 +28,7 @@ from edgeinfer.config import LoadConfig
 from edgeinfer.manifest import (
     ARCHITECTURE_LIMITS,
     MANIFEST_NAME,
+    NOT_CHECKED,
     Manifest,
     parse_manifest,
     resolve_inside,
@@ -279,9 +280,29 @@ def test_unknown_keys_are_ignored_with_a_warning(caplog: pytest.LogCaptureFixtur
 
 
 def test_what_the_converter_writes_reads_back(tmp_path: Path) -> None:
-    manifest = parse_manifest(VALID)
+    report = {"passed": True, "top1_agreement": 0.945, "reference": "m.gguf through llama.cpp"}
+    manifest = dataclasses.replace(parse_manifest(VALID), validation=report)
     manifest.write(tmp_path)
     assert Manifest.read(tmp_path) == manifest
+    assert (
+        manifest.validation_summary() == "validated against m.gguf through llama.cpp, top-1 94.5%"
+    )
+
+
+def test_a_folder_written_without_a_check_says_so(tmp_path: Path) -> None:
+    """A folder built with no comparison (load()'s automatic transcode, an [onnx]-only
+    install) records that it was not validated, and every reader is told."""
+    parse_manifest(VALID).write(tmp_path)
+    read = Manifest.read(tmp_path)
+    assert read.validation == {"skipped": NOT_CHECKED}
+    assert read.validation_summary().startswith("not validated")
+    skipped = {"skipped": "answers not compared: llama.cpp is not installed"}
+    assert (
+        "llama.cpp is not installed"
+        in parse_manifest({**VALID, "validation": skipped}).validation_summary()
+    )
+    failed = {**VALID, "validation": {"passed": False, "top1_agreement": 0.1}}
+    assert parse_manifest(failed).validation_summary() == "failed validation"
 
 
 # -- files the manifest names stay inside the folder ----------------------------------------

@@ -47,3 +47,25 @@ def _print_list() -> None:
         size = f"{listed.size / 1e6:.0f} MB" if listed.size else ""
         row = f"{listed.name:<28} {listed.format:<5} {size:>7}  {present:<11}"
         print(f"{row}  {listed.description}")
+        transcode = _transcode_line(listed)
+        if transcode:
+            print(f"{'':<28} {transcode}")
+
+
+def _transcode_line(entry: catalog.CatalogEntry) -> str | None:
+    """The ONNX folder ``load()`` built from this GGUF, if any, and whether it was checked."""
+    from ..errors import EdgeInferError
+    from ..loader import native_folder_for
+    from ..manifest import MANIFEST_NAME, Manifest
+    from ..model_source import ModelSource
+
+    if entry.format != "gguf" or entry.sha256 is None:
+        return None
+    folder = native_folder_for(ModelSource(entry.name, catalog.local_path(entry), "gguf", None))
+    if not (folder / MANIFEST_NAME).is_file():
+        return None
+    try:
+        summary = Manifest.read(folder).validation_summary()
+    except EdgeInferError as exc:
+        summary = f"unreadable: {exc}"
+    return f"onnx transcode at {folder}: {summary}"
