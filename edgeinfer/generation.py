@@ -12,6 +12,7 @@ the stream instead of ending it with a finish_reason, so a cut reply never looks
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from .runtimes.base import Backend, Tokenizer
 
 __all__ = ["Chunk", "FinishReason", "GenerationResult", "GenerationStats", "TokenStream"]
+
+logger = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length", "cancelled", "tool_calls"]
 
@@ -80,6 +83,10 @@ class GenerationResult:
     # ... and why a call in the reply was not handed out (malformed, unknown function,
     # arguments not matching the schema); None when there was none
     tool_call_error: str | None = None
+    # under a response_format: the reply ran out of max_new_tokens (or the context) before
+    # the format was complete, so its text does not match the format (JSON that does not
+    # parse); a warning is logged too
+    format_incomplete: bool = False
 
 
 class KVHistory:
@@ -160,8 +167,14 @@ class TokenStream:
         if chunk.finish_reason is not None and chunk.stats is not None:
             text = "".join(self._parts)
             parsed = self._parse(text, chunk.finish_reason) if self._parse else None
+            cut = self._parse is not None and chunk.finish_reason == "length"
             self.result = GenerationResult(
-                text, tuple(self._ids), chunk.finish_reason, chunk.stats, parsed
+                text,
+                tuple(self._ids),
+                chunk.finish_reason,
+                chunk.stats,
+                parsed,
+                format_incomplete=cut,
             )
         return chunk
 
@@ -287,9 +300,16 @@ class SequenceState:
         self.context.append(token)
         self.unsent.append(token)
         text = self.detok.push(token)
-        if self.detok.stopped:
+        if self.detok.stopped or (constraint is not None and constraint.complete):
             return _Step(token, text, "stop")
         if len(self.generated) >= self.sampler.config.max_new_tokens or out_of_room:
+            if constraint is not None:
+                logger.warning(
+                    "the reply ended after %d tokens (max_new_tokens or the context) before "
+                    "its response_format was complete: its text does not match the format; "
+                    "raise max_new_tokens",
+                    len(self.generated),
+                )
             return _Step(token, text, "length")
         return _Step(token, text, None)
 

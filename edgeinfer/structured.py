@@ -9,6 +9,16 @@
 - ``{"type": "grammar", "lark": "..."}``: a Lark grammar (llguidance's dialect);
 - ``{"type": "text"}`` or None: no constraint.
 
+JSON output (``json_object``, ``json_schema``) is written on one line by default: one space
+after each ``:`` and ``,`` and no other whitespace (``{"a": 1, "b": [1, 2]}``, what
+``json.dumps`` writes), so a sampled reply cannot spend its tokens on blank indented lines;
+``"whitespace": "free"`` in the response_format allows JSON's whitespace between tokens.
+Under ``json_schema`` an object schema that names ``properties`` and says nothing of
+``additionalProperties`` allows only the properties it names (OpenAI's structured-output
+convention; ``additionalProperties: true`` or a schema allows others); ``"schema_semantics":
+"json-schema"`` in the response_format keeps plain JSON Schema's meaning instead (unnamed
+properties allowed).
+
 The grammar engine is llguidance (the ``structured`` extra), imported only when a request
 asks for a format. One implementation serves every backend: edgeinfer samples in its own
 loop, so the mask is applied there.
@@ -45,6 +55,7 @@ __all__ = [
     "check_response_format",
     "check_schema",
     "compile_constraint",
+    "named_properties_only",
 ]
 
 _COMPILE_STACK_BYTES = 256 * 2**20  # reserved address space; only what is touched is used
@@ -53,6 +64,18 @@ _T = TypeVar("_T")
 
 _JSON_KINDS = frozenset({"json_object", "json_schema"})
 _KINDS = ("text", "json_object", "json_schema", "regex", "choice", "grammar")
+_WHITESPACE = ("compact", "free")
+_SEMANTICS = ("openai", "json-schema")
+# llguidance's JSON options for the whitespace setting (applied before the schema's own
+# "x-guidance", which overrides them)
+_JSON_OPTIONS: dict[str, dict[str, Any]] = {
+    "compact": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+    "free": {"whitespace_flexible": True},
+}
+# schema keywords whose value is a schema, a list of schemas or a map of name -> schema
+_ONE_SCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _tokenizers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _tokenizers_lock = threading.Lock()
 
@@ -70,6 +93,7 @@ def check_response_format(value: Any) -> dict[str, Any] | None:
     kind = value["type"]
     if kind == "text":
         return None
+    _check_json_options(value)
     if kind == "json_schema":
         spec = value.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -88,17 +112,55 @@ def check_response_format(value: Any) -> dict[str, Any] | None:
     return dict(value)
 
 
+def _check_json_options(value: dict[str, Any]) -> None:
+    for key, allowed in (("whitespace", _WHITESPACE), ("schema_semantics", _SEMANTICS)):
+        if key in value and value[key] not in allowed:
+            raise InvalidRequestError(
+                f"response_format {key}={_short(value[key])} is invalid: expected one of "
+                f"{', '.join(allowed)}"
+            )
+
+
+def named_properties_only(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``schema`` where every object schema that names ``properties`` and says
+    nothing of ``additionalProperties`` gets ``additionalProperties: false`` (OpenAI's
+    convention). Walks only the keywords that hold schemas, so a property that happens to be
+    called "properties" is not taken for the keyword; iterative (the schema is bounded by
+    check_schema first)."""
+    root = json.loads(json.dumps(schema))  # a deep copy, plain JSON
+    stack: list[Any] = [root]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
+            node["additionalProperties"] = False
+        for key in _ONE_SCHEMA:
+            stack.append(node.get(key))
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack.extend(node[key])
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack.extend(node[key].values())
+    return root  # type: ignore[no-any-return]
+
+
 def _grammar(fmt: dict[str, Any], llg: Any) -> str:
     kind = fmt["type"]
     matcher = llg.LLMatcher
+    options = _JSON_OPTIONS[fmt.get("whitespace", "compact")]
     try:
         if kind == "json_object":
-            return str(matcher.grammar_from_json_schema({"type": "object"}))
+            return str(matcher.grammar_from_json_schema({"type": "object"}, defaults=options))
         if kind == "json_schema":
+            schema = fmt["json_schema"]["schema"]
+            if fmt.get("schema_semantics", "openai") == "openai":
+                schema = named_properties_only(schema)
             # ASCII: llguidance cuts schema excerpts in its messages at a byte count, and
             # panics when the cut falls inside a multi-byte character
-            schema = json.dumps(fmt["json_schema"]["schema"], ensure_ascii=True)
-            return str(matcher.grammar_from_json_schema(schema))
+            text = json.dumps(schema, ensure_ascii=True)
+            return str(matcher.grammar_from_json_schema(text, defaults=options))
         if kind == "regex":
             return str(matcher.grammar_from_regex(fmt["pattern"]))
         if kind == "choice":
