@@ -183,7 +183,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--routes", default="gguf,onnx")
+    parser.add_argument("--routes", default="onnx,gguf")
     parser.add_argument("--out", default="benchmarks/results/prompt_cache.json")
     args = parser.parse_args()
     routes = args.routes.split(",")
@@ -206,10 +206,16 @@ def main() -> None:
                 t = time.time()
                 result["rounds"][route].append(one_round(route, args.threads, home, r))
                 print(f"round {r} {route}: {time.time() - t:.0f} s", file=sys.stderr)
-    result["loadavg_end"] = os.getloadavg()
-    result["summary"] = {route: summary(rows) for route, rows in result["rounds"].items()}
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+                save(result, Path(args.out))  # each round as it ends: a long run can be cut
     print(json.dumps(result["summary"], indent=1))
+
+
+def save(result: dict[str, Any], out: Path) -> None:
+    result["loadavg_end"] = os.getloadavg()
+    done = {route: rows for route, rows in result["rounds"].items() if rows}
+    result["summary"] = {route: summary(rows) for route, rows in done.items()}
+    result["rounds_done"] = {route: len(rows) for route, rows in result["rounds"].items()}
+    out.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

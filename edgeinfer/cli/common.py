@@ -157,6 +157,8 @@ def load_options(args: argparse.Namespace, parallel: int | str = 1) -> dict[str,
     }
     if parallel != 1:
         options["parallel"] = parallel
+    if getattr(args, "prompt_cache", None):  # serve --prompt-cache DIR
+        options["prompt_cache"] = args.prompt_cache
     return options
 
 

@@ -59,6 +59,12 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
         "step; 'auto' takes as many as the memory budget holds (default: 1)",
     )
     p.add_argument(
+        "--prompt-cache",
+        metavar="DIR",
+        help="keep the KV of long prompts (256 tokens or more read) in DIR and read a "
+        "prompt's cached prefix back instead of computing it, across restarts (default: off)",
+    )
+    p.add_argument(
         "--max-queue",
         type=int,
         default=8,
