@@ -8,9 +8,15 @@ failing that, in the same section (from its heading to the next heading of any l
 the rounding it is written with (``22.2%`` matches 22.15..22.25, or 0.2215..0.2225 for a file
 that stores a fraction; ``MB`` also matches bytes, ``ms`` also seconds).
 
-Figures that are not measurements (an example's output, a setting, a target) are marked in
-the README: ``<!-- illustrative: why -->`` anywhere in a block exempts that block, and
-``<!-- source: results/x.json -->`` names the file where the prose does not. Numbers inside
+A figure also counts as sourced when it is a column's total over sibling records of the
+file (a profile's sum), a ratio (x, %) of two figures shown in the same section, or a
+difference of two figures of its own block; only the README's own figures are combined, so a
+stale ratio cannot match two unrelated numbers of a large file by chance.
+
+Figures that are not measurements (a setting, a limit) are listed in NOT_MEASURED with the
+reason, or marked in the README: ``<!-- illustrative: why -->`` anywhere in a block exempts
+that block, and ``<!-- source: results/x.json -->`` names the file where the prose does not.
+TO_SOURCE lists the figures still without a file (issue 28); it only shrinks. Numbers inside
 code (fenced or `inline`) are not figures: they are commands and settings.
 """
 
