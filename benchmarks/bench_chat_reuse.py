@@ -4,14 +4,19 @@ A 4-turn conversation on the default model at temperature 0. Turn 4 is answered 
 by the model that served turns 1-3 (its KV cache holds the conversation, so only the new
 turn is read) and by a freshly loaded model that reads the whole conversation. The script
 prints both times to first token, their ratio, and whether the two replies are identical.
+Each run answers turn 4 both ways, one after the other (A/B per run, medians over runs); the
+load average before and after each run is recorded beside it, since the machine may be
+shared.
 
     python benchmarks/bench_chat_reuse.py [--model smollm2-135m-instruct] [--runs 3]
+        [--engine llama.cpp] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -49,12 +54,18 @@ def conversation(model: edgeinfer.Model) -> tuple[list[dict[str, str]], Any]:
 
 
 def one_run(path: str, threads: int, **load: Any) -> dict[str, Any]:
+    load_before = os.getloadavg()
     with edgeinfer.load(path, threads=threads, context_length=2048, **load) as model:
         messages, _ = conversation(model)
         reused = model.chat(messages, max_new_tokens=REPLY_TOKENS, temperature=0)
+        backend = model.info.get("backend")
     with edgeinfer.load(path, threads=threads, context_length=2048, **load) as fresh:
         full = fresh.chat(messages, max_new_tokens=REPLY_TOKENS, temperature=0)
     return {
+        "backend": backend,
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        "ratio": reused.stats.ttft_s / full.stats.ttft_s,
         "prompt_tokens": reused.stats.prompt_tokens,
         "reused_prompt_tokens": reused.stats.reused_prompt_tokens,
         "ttft_reused_s": reused.stats.ttft_s,
@@ -71,10 +82,15 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--flash-attention", action="store_true")
     ap.add_argument(
+        "--engine", default="auto", help="load(engine=...): auto, or llama.cpp for the GGUF route"
+    )
+    ap.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "chat_reuse.json"
     )
     args = ap.parse_args()
-    load = {"flash_attention": True} if args.flash_attention else {}
+    load: dict[str, Any] = {"flash_attention": True} if args.flash_attention else {}
+    if args.engine != "auto":
+        load["engine"] = args.engine
     runs = [one_run(args.model, args.threads, **load) for _ in range(args.runs)]
     reused = statistics.median(r["ttft_reused_s"] for r in runs)
     fresh = statistics.median(r["ttft_fresh_s"] for r in runs)
@@ -84,11 +100,18 @@ def main() -> int:
     print(f"time to first token, reused cache: {reused * 1000:.1f} ms (median of {args.runs})")
     print(f"time to first token, empty cache:  {fresh * 1000:.1f} ms")
     print(f"ratio: {reused / fresh:.1%}   replies identical: {identical}")
+    print(f"load average (1 min) over the runs: {[r['loadavg_before'][0] for r in runs]}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     summary = {
         "model": args.model,
+        "threads": args.threads,
+        "engine": args.engine,
         "flash_attention": args.flash_attention,
+        "cpu_count": os.cpu_count(),
         "ratio": reused / fresh,
+        "ratio_median_of_runs": statistics.median(r["ratio"] for r in runs),
+        "ttft_reused_median_s": reused,
+        "ttft_fresh_median_s": fresh,
         "identical": identical,
         "runs": runs,
     }
