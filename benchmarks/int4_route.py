@@ -139,6 +139,26 @@ def _fidelity(folder: Path, threads: int, reference: tuple[Any, Any, Any]) -> di
     }
 
 
+def _quantize_time(source: Path) -> dict[str, Any]:
+    """CPU seconds of the searched quantizer on the largest tensor (the embedding)."""
+    from edgeinfer.converters.onnx.builder.tensors import GGUFTensors
+    from edgeinfer.converters.onnx.quantize import quantize_searched
+    from edgeinfer.gguf_file import read_gguf_header
+
+    tensors = GGUFTensors(read_gguf_header(source), lambda: None)
+    t = tensors.info("token_embd.weight")
+    assert t is not None
+    w = tensors.floats(t)
+    cpu, wall = time.process_time(), time.perf_counter()
+    quantize_searched(w, 4)
+    return {
+        "tensor": "token_embd.weight",
+        "weights": int(w.size),
+        "cpu_s": round(time.process_time() - cpu, 1),
+        "wall_s": round(time.perf_counter() - wall, 1),
+    }
+
+
 def _build(source: Path, exact_src: Path, root: Path) -> dict[str, dict[str, Any]]:
     """The edgeinfer folders, each with its build time and block counts."""
     from edgeinfer.converters.onnx import quantize
@@ -159,6 +179,12 @@ def _build(source: Path, exact_src: Path, root: Path) -> dict[str, dict[str, Any
     built = {}
     for name, (src, quant, head_bits, requantize) in plans.items():
         folder = root / name
+        if (folder / "edgeinfer.json").is_file():  # --keep: built by an earlier run
+            nbits = json.loads((folder / "edgeinfer.json").read_text())["quantization"]["nbits"]
+            data = (folder / "model.onnx.data").stat().st_size
+            built[name] = {"folder": folder, "build_s": None, "nbits": nbits}
+            built[name]["data_mb"] = round(data / 1e6, 1)
+            continue
         folder.mkdir()
         saved = linear.requantize
         if requantize is not None:  # the previous quantizer, for its figures only
@@ -247,6 +273,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("-t", "--threads", type=int, default=2)
     parser.add_argument("--genai", type=Path, help="onnxruntime-genai's int4 folder")
+    parser.add_argument(
+        "--keep", type=Path, help="build the folders here and reuse them on the next run"
+    )
     parser.add_argument("--decode", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
@@ -284,15 +313,20 @@ def _run(args: argparse.Namespace) -> int:
     }
     if (derived / "hf" / "model.safetensors").is_file():
         report["float_source"]["vs_genai_source"] = _same_floats(source, derived / "hf")
+    report["quantize_embedding"] = _quantize_time(source)
     with tempfile.TemporaryDirectory() as tmp:
-        built = _build(source, gguf, Path(tmp))
+        root = Path(tmp) if args.keep is None else args.keep
+        root.mkdir(parents=True, exist_ok=True)
+        built = _build(source, gguf, root)
         folders = {name: row.pop("folder") for name, row in built.items()}
         folders["ortgenai-int4"] = genai
         report["built"] = built
-        reference = _reference(source, args.threads)
+        # fidelity runs on one thread: llama.cpp's (and onnxruntime's) spinning worker threads
+        # crawl on an oversubscribed machine, and the figures do not depend on the count
+        reference = _reference(source, 1)
         report["fidelity"] = {}
         for name, folder in folders.items():
-            report["fidelity"][name] = _fidelity(folder, args.threads, reference)
+            report["fidelity"][name] = _fidelity(folder, 1, reference)
             print(name, json.dumps(report["fidelity"][name]), flush=True)
         _write(args.out, report)  # the fidelity figures stand even if the timing is cut short
         # the previous quantizer's graph has the same operators as the searched one: not timed
