@@ -121,8 +121,13 @@ def test_refusals_happen_before_loading(
 def test_no_budget_on_this_machine_takes_the_trained_context(default_gguf: Path) -> None:
     with edgeinfer.load(default_gguf) as model:
         plan = model.info["memory_plan"]
-        assert model.context_length == plan["context_length"] == 8192
         assert plan["budget_source"].startswith("50% of the")
+        assert model.context_length == plan["context_length"] and plan["total"] <= plan["budget"]
+        assert plan["context_length"] % 256 == 0
+        # the full 8192-token context needs about 510 MB (README, "Memory"): with room for it,
+        # it is what a load without a budget takes; a low-RAM machine gets less, not an error
+        if plan["budget"] >= 600e6:
+            assert plan["context_length"] == 8192
         result = model.generate("Hello", max_new_tokens=4, temperature=0)
         assert result.stats.peak_rss_bytes > 100 * MB
 
