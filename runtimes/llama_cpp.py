@@ -308,8 +308,9 @@ class LlamaCppBackend:
     def reuse_is_exact(self) -> bool:
         """Whether a prompt read in two parts gives what it gives read whole. Measured: with
         flash attention off, bit-identical logits (tiny Llama and Gemma 3, SmolLM2 Q4_1); with
-        it on, up to ~1.0 apart after a split (SmolLM2), enough to change greedy tokens."""
-        return not self._flash_attention
+        it on, up to ~1.0 apart after a split (SmolLM2), enough to change greedy tokens.
+        Shown on the CPU only: with layers offloaded to a GPU the claim is not made."""
+        return not self._flash_attention and not self._info.get("n_gpu_layers")
 
     @property
     def kv_nbytes(self) -> int:
