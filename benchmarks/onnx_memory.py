@@ -11,6 +11,7 @@ load average is recorded beside every run, and the figures are medians over the 
     python benchmarks/onnx_memory.py --rounds 5 --contexts 2048
     python benchmarks/onnx_memory.py --gguf tiny.gguf --out benchmarks/results/x.json
     python benchmarks/onnx_memory.py --sessions              # onnxruntime session options only
+    python benchmarks/onnx_memory.py --summarize FILE.json   # medians in MB added to a file
 
 Engines: ``onnx-native`` (edgeinfer.load of the folder the native builder writes from the
 GGUF, built once per invocation into a temporary folder), ``gguf`` (edgeinfer.load of the
@@ -269,6 +270,35 @@ def sessions_main(args: argparse.Namespace, folder: Path, save: Any) -> dict[str
     return {"session_runs": runs, "session_summary": summary, "prepacked_file": written}
 
 
+def in_mb(result: dict[str, Any]) -> dict[str, Any]:
+    """The medians again in MB (one decimal) and tok/s (one decimal), as the READMEs quote
+    them; ratios as they are."""
+
+    def mb(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: mb(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [mb(v) for v in value]
+        if isinstance(value, float) and value < 1e4:  # tok/s or a ratio
+            return round(value, 3 if value < 10 else 1)
+        return round(value / 1e6, 1) if isinstance(value, (int, float)) else value
+
+    return {
+        k.replace("summary", "summary_mb"): mb(result[k])
+        for k in ("summary", "session_summary")
+        if result.get(k)
+    }
+
+
+def summarize(path: Path) -> int:
+    """Adds the MB summary to a results file written before it existed."""
+    result = json.loads(path.read_text())
+    result.update(in_mb(result))
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(in_mb(result), indent=1))
+    return 0
+
+
 def _machine() -> dict[str, Any]:
     import llama_cpp
     import onnxruntime
@@ -302,7 +332,10 @@ def main() -> int:
     ap.add_argument("--banned", type=int, nargs="*", default=[0, 1, 2], help="ids never chosen")
     ap.add_argument("--sessions", action="store_true", help="onnxruntime session options only")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "onnx_memory.json")
+    ap.add_argument("--summarize", type=Path, help="add the MB summary to a results file")
     args = ap.parse_args()
+    if args.summarize:
+        return summarize(args.summarize)
     if args.gguf is None:
         from edgeinfer.loader import resolve
 
@@ -326,6 +359,7 @@ def main() -> int:
 
         def save(part: dict[str, Any]) -> None:  # after every run: a cut-short run keeps its rows
             result.update(part, load_average_end=os.getloadavg())
+            result.update(in_mb(result))
             args.out.write_text(json.dumps(result, indent=1) + "\n")
 
         main_part = sessions_main if args.sessions else engines_main
