@@ -462,3 +462,20 @@ def test_amx_cpus_keep_llama_cpp_weights_out_of_amx_buffers() -> None:
     for name in ("x86-server", "raspberry-pi-5", "apple-m2"):
         other = plan_providers(machine(name), "gguf", "cpu").candidates[0]
         assert "use_extra_bufts" not in other.options
+
+
+@pytest.mark.parametrize(
+    ("name", "row", "inferred"),
+    [
+        ("snapdragon-x-elite", "npus", True),  # named from the CPU model string
+        ("jetson-orin-nano", "gpus", True),  # its memory is the board's RAM
+        ("apple-m2", "gpus", True),
+        ("x86-rtx4090", "gpus", False),  # nvidia-smi answered
+    ],
+)
+def test_devices_says_which_accelerators_are_inferred(name: str, row: str, inferred: bool) -> None:
+    from edgeinfer.cli.devices import _rows
+
+    rows = dict(_rows(machine(name)))
+    assert ("inferred from" in rows[row]) is inferred, rows[row]
+    assert ("not probed" in rows[row]) is inferred

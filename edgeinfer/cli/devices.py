@@ -219,10 +219,23 @@ def _platform(inv: DeviceInventory) -> str:
     return "" if inv.platform in (inv.os, "") else f" ({inv.platform})"
 
 
+# Sources that name a device without asking it: the CPU model string or the chip family
+# (an NPU), or the whole RAM standing in for an integrated GPU's memory.
+_INFERRED = {"cpu model": "the CPU model", "soc": "the chip", "tegra": "the board"}
+
+
+def _accelerator(a: Any) -> str:
+    inferred = _INFERRED.get(a.source)
+    notes = []
+    if a.memory_bytes:
+        notes.append(_gib(a.memory_bytes) + (" shared RAM" if inferred else ""))
+    if inferred:
+        notes.append(f"inferred from {inferred}, not probed")
+    return a.name + (f" ({'; '.join(notes)})" if notes else "")
+
+
 def _rows(inv: DeviceInventory) -> list[tuple[str, str]]:
-    gpus = ", ".join(
-        g.name + (f" ({_gib(g.memory_bytes)})" if g.memory_bytes else "") for g in inv.gpus
-    )
+    gpus = ", ".join(_accelerator(g) for g in inv.gpus)
     llama = "not installed"
     if inv.llama_cpp_version is not None:
         names = ", ".join(d.name for d in inv.llama_devices) or "?"
@@ -238,7 +251,7 @@ def _rows(inv: DeviceInventory) -> list[tuple[str, str]]:
         ("features", " ".join(inv.cpu_features) or "-"),
         ("memory", f"{_gib(inv.total_ram)} total, {_gib(inv.available_ram)} available"),
         ("gpus", gpus or "none found"),
-        ("npus", ", ".join(n.name for n in inv.npus) or "none found"),
+        ("npus", ", ".join(_accelerator(n) for n in inv.npus) or "none found"),
         ("onnxruntime", ort),
         ("llama.cpp", llama),
     ]
