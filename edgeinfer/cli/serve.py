@@ -96,6 +96,11 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-json", action="store_true", help="one JSON object per request line on stderr"
     )
+    _add_client_flags(p)
+
+
+def _add_client_flags(p: argparse.ArgumentParser) -> None:
+    """What a request that leaves fields out, or names another model, gets."""
     p.add_argument(
         "--sampling-defaults",
         choices=("edgeinfer", "openai"),
