@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from .. import catalog
+from .chat_session import SessionFiles
 from .common import (
     MODEL_HELP,
     add_chat_template_flag,
@@ -42,6 +43,12 @@ def add_parser(sub: Any) -> None:
         help=f"{MODEL_HELP} (default: {catalog.DEFAULT_MODEL})",
     )
     chat.add_argument("--system", metavar="TEXT", help="system message for the conversation")
+    chat.add_argument(
+        "--session",
+        metavar="NAME",
+        help="keep the conversation (messages and the model's KV) under $EDGEINFER_HOME/"
+        "sessions/NAME and resume it next time: only the new turn is read",
+    )
     add_chat_template_flag(chat)
     add_sampling_flags(chat)
     add_model_flags(chat)
@@ -140,9 +147,15 @@ def _read_line() -> str | None:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    files = SessionFiles(args.session) if args.session is not None else None
+    saved = files.read_messages() if files is not None else None
     with load_model(args) as model:
         prepare_chat(model, args)
         session = ChatSession(model, args.system, sampling_kwargs(args))
+        if files is not None and saved is not None:
+            session.messages = saved
+            files.restore(model)
+            print(f"(resumed session {args.session}: {len(saved)} messages)", file=sys.stderr)
         if sys.stdin.isatty():
             print(f"chatting with {args.model}; {HELP}", file=sys.stderr)
         while (line := _read_line()) is not None:
@@ -153,6 +166,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 break
             if command == "/reset":
                 session.reset()
+                if files is not None:
+                    files.clear()
                 print("(new conversation)", file=sys.stderr)
             elif command == "/stats":
                 print(session.stats_line(), file=sys.stderr)
@@ -160,4 +175,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 print(f"unknown command {command}; {HELP}", file=sys.stderr)
             else:
                 session.reply(line)
+                if files is not None:
+                    files.save(model, session.messages)
     return 0
