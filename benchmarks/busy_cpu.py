@@ -121,11 +121,11 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for route, hogs in keys:
         medians: dict[str, float] = {}
         for setting in dict.fromkeys(r["setting"] for r in runs):
+            # a run that failed (past --run-timeout) counts as 0 tok/s: slower than any other
             vals = [
-                r["decode_tok_s"]
+                r.get("decode_tok_s", 0.0)
                 for r in runs
                 if (r["route"], r["hogs"], r["setting"]) == (route, hogs, setting)
-                and "decode_tok_s" in r
             ]
             if vals:
                 medians[setting] = round(statistics.median(vals), 2)
@@ -136,7 +136,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             r["setting"]: r["error"] for r in runs if (r["route"], r["hogs"]) == (route, hogs)
             and "error" in r
         }  # fmt: skip
-        if failed:  # a run past --run-timeout: slower than any measured one, not in the medians
+        if failed:  # runs past --run-timeout, counted as 0 tok/s in the medians
             row["failed"] = failed
         if best and "default" in medians:
             row["best_threads"] = best
