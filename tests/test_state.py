@@ -229,3 +229,20 @@ def test_load_state_of_hostile_files(tiny_path: Path, tmp_path: Path) -> None:
             with pytest.raises(SnapshotError, match=re.escape(str(path))):
                 model.load_state(path)
             assert model.generate(second, max_new_tokens=4, temperature=0).token_ids == want
+
+
+def test_a_shorter_shared_prefix_after_restore_is_exact(tiny_path: Path, tmp_path: Path) -> None:
+    """A prompt sharing less than the snapshot holds (70 of its tokens): still the logits of a
+    fresh read (a llama.cpp snapshot with sliding-window layers is then not reused at all)."""
+    path = tmp_path / "s.kvs"
+    with _load(tiny_path) as first_model:
+        first, _ = _prompts(first_model)
+        first_model.generate(first, max_new_tokens=1, temperature=0)
+        first_model.save_state(path)
+        third = first[:70] + first_model.tokenize(" A third, shorter one.", add_special=False)
+    with _load(tiny_path) as restored:
+        restored.load_state(path)
+        got, _ = _next_logits(restored, third)
+    with _load(tiny_path) as fresh_model:
+        want, _ = _next_logits(fresh_model, third)
+    assert np.array_equal(got, want)
