@@ -372,3 +372,60 @@ def test_default_model_beside_llama_cpp_python(default_gguf: Path) -> None:
         assert row["tokens_generated_min"] == 16 and row["tg_tok_s"]["mean"] > 0
         assert row["ratio_to_edgeinfer"]["tg_tok_s"] > 0
     assert rows["edgeinfer"]["peak_rss_mb"]["max"] <= rows["edgeinfer"]["plan_total_mb"]
+
+
+# -- what the report shows (issue: the bench's output) ----------------------------------------
+
+
+def test_a_missing_peer_is_said_once(
+    tiny_llama_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer that is not installed: the line shows once, in the report, not also on the
+    progress line."""
+    monkeypatch.setattr("edgeinfer.bench.peers.installed", lambda engine: False)
+    quiet = Quiet()
+    report = run_bench(
+        settings(tiny_llama_gguf, repetitions=1, warmup=0, threads=(1,), prompt_tokens=(8,)),
+        runner=Recorded(),
+        progress=quiet,
+        machine={},
+    )
+    said = "\n".join(quiet.lines) + report.text()
+    assert said.count("skipping llama-cpp-python: not installed") == 1, said
+
+
+def test_one_run_shows_no_spread(tiny_llama_gguf: Path) -> None:
+    one = settings(tiny_llama_gguf, repetitions=1, warmup=0, threads=(1,), compare=False)
+    text = run_bench(one, runner=Recorded(), progress=Quiet(), machine={}).text()
+    assert "±" not in text.split("mean ± stddev")[0], text
+    two = settings(tiny_llama_gguf, repetitions=2, warmup=0, threads=(1,), compare=False)
+    assert "± 0.0" in run_bench(two, runner=Recorded(), progress=Quiet(), machine={}).text()
+
+
+def test_the_plot_keeps_its_legend_off_the_bars_and_tells_configurations_apart(
+    tiny_llama_gguf: Path,
+) -> None:
+    pytest.importorskip("matplotlib")
+    from edgeinfer.bench.plot import figure, pyplot
+
+    report = run_bench(settings(tiny_llama_gguf), runner=Recorded(), progress=Quiet(), machine={})
+    rows = report.measured()
+    plt = pyplot()
+    fig = figure(plt, rows, 4)
+    try:
+        fig.canvas.draw()
+        top, bottom = fig.axes
+        colors = {tuple(bar.get_facecolor()) for bar in top.patches}
+        assert len(colors) == 4  # two engines x two thread counts
+        for ax in (top, bottom):
+            legend = ax.get_legend()
+            assert legend is not None
+            inside = ax.get_window_extent()
+            assert legend.get_window_extent().x0 >= inside.x1  # beside the axes, not on bars
+        plan = [c for c in bottom.collections if c.get_label() == "edgeinfer's memory plan"]
+        assert not plan or plan[0].get_linewidth()[0] >= 2  # marks wide enough to see
+        labels = [t.get_text() for t in bottom.get_xticklabels()]
+        assert all(os.path.join(tiny_llama_gguf.parent.name, tiny_llama_gguf.name) in t
+                   for t in labels), labels  # fmt: skip
+    finally:
+        plt.close(fig)

@@ -4,14 +4,11 @@ one JSON object with stable keys, and a bar chart."""
 from __future__ import annotations
 
 import math
-import os
 import statistics
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidRequestError
 from .records import BenchResultError, check_report
 
 __all__ = ["BenchReport", "Row", "summarize"]
@@ -39,10 +36,11 @@ _ROW_KEYS = ("model", "model_path", "engine", "engine_model", "threads", "prompt
 
 
 def summarize(values: list[float]) -> dict[str, float]:
-    """mean, stddev (sample; 0 for one value), median, min and max."""
+    """n, mean, stddev (sample; 0 for one value), median, min and max."""
     if not values:
-        return dict.fromkeys(("mean", "stddev", "median", "min", "max"), math.nan)
+        return {"n": 0, **dict.fromkeys(("mean", "stddev", "median", "min", "max"), math.nan)}
     return {
+        "n": len(values),
         "mean": statistics.fmean(values),
         "stddev": statistics.stdev(values) if len(values) > 1 else 0.0,
         "median": statistics.median(values),
@@ -353,18 +351,20 @@ class BenchReport:
 
     def plot(self, path: Path) -> None:
         """Bars of decode tok/s (± stddev) and peak RSS per configuration, as an image."""
-        plt = _pyplot()
+        from .plot import figure, pyplot, save
+
+        plt = pyplot()
         rows = self.measured()
         if not rows:
             return
         tags = [self.agreement_of(r) for r in rows]
-        fig = _figure(plt, rows, self.settings["new_tokens"])
+        fig = figure(plt, rows, self.settings["new_tokens"])
         if any(tags):
             from .agreement import tag_bars
 
             tag_bars(fig.axes[0], [r.figure("tg_tok_s")["mean"] for r in rows], tags)
         try:
-            _save(fig, Path(path))
+            save(fig, Path(path))
         finally:
             plt.close(fig)
 
@@ -377,7 +377,6 @@ _PARALLEL_HEADER = ["model", "engine", "provider", "threads", "test", "streams",
                     "tg vs 1 stream", "join TTFT vs alone", "tg vs edgeinfer"]  # fmt: skip
 _AGREEMENT_HEADER = ["top-1 vs ref", "greedy prefix"]  # with --agreement
 _RIGHT = {3, *range(5, 18)}  # the columns of numbers, right-aligned
-_PALETTE = ["#3b7dd8", "#d8873b", "#4aa35a", "#a34a9b", "#7f7f7f"]  # one colour per engine
 
 
 def _markdown(header: list[str], body: list[list[str]]) -> list[str]:
@@ -402,74 +401,6 @@ def _boxed(header: list[str], body: list[list[str]]) -> list[str]:
     return [fmt(header), f"| {rule} |", *(fmt(b) for b in body)]
 
 
-def _pyplot() -> Any:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise InvalidRequestError(plot_missing_message()) from exc
-    return plt
-
-
-def _figure(plt: Any, rows: list[Row], new_tokens: int) -> Any:
-    """Decode tok/s above, peak RSS (and edgeinfer's plan) below, one bar per row."""
-    engines = list(dict.fromkeys(r.engine for r in rows))
-    colors = [_PALETTE[engines.index(r.engine) % len(_PALETTE)] for r in rows]
-    width = max(6.0, min(0.45 * len(rows) + 2.0, 20.0))
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(width, 9.0), sharex=True)
-    xs = list(range(len(rows)))
-    tg = [r.figure("tg_tok_s") for r in rows]
-    ax1.bar(xs, [t["mean"] for t in tg], yerr=[t["stddev"] for t in tg], capsize=2, color=colors)
-    ax1.set_ylabel("decode tokens/s (mean ± stddev)")
-    ax1.set_title(f"edgeinfer bench: {new_tokens} generated tokens")
-    ax1.legend(
-        handles=[
-            plt.Rectangle((0, 0), 1, 1, color=_PALETTE[i % len(_PALETTE)])
-            for i in range(len(engines))
-        ],
-        labels=engines,
-        loc="best",
-        fontsize="small",
-    )
-    _memory_bars(ax2, xs, rows, colors)
-    fig.tight_layout()
-    return fig
-
-
-def _memory_bars(ax: Any, xs: list[int], rows: list[Row], colors: list[str]) -> None:
-    ax.bar(xs, [r.figure("peak_rss_mb")["max"] for r in rows], color=colors)
-    plans = [(r.last("plan_total_bytes") or 0) / MB for r in rows]
-    if any(plans):
-        ax.scatter(xs, [p or math.nan for p in plans], color="black", marker="_", s=200,
-                   label="edgeinfer's memory plan")  # fmt: skip
-        ax.legend(loc="best", fontsize="small")
-    ax.set_ylabel("peak RSS, MB")
-    ax.set_xticks(xs)
-    labels = [f"{r.model[:28]} pp{r.prompt_tokens} t{r.threads}" for r in rows]
-    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize="small")
-
-
-def _save(fig: Any, path: Path) -> None:
-    """Write the image whole or not at all: a temp file beside it, then a rename."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def plot_missing_message() -> str:
-    return (
-        "--plot needs matplotlib, which is not installed: pip install 'edgeinfer[bench]' "
-        "(or pip install matplotlib)"
-    )
-
-
 def _quantile(values: list[float], q: float) -> float:
     """The ``q`` quantile of ``values``, interpolated between nearest ranks; nan if none."""
     ordered = sorted(values)
@@ -482,4 +413,7 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def _pm(s: dict[str, float], digits: int) -> str:
+    """The mean ± its spread; one run has no spread to show."""
+    if s.get("n", 2) < 2:
+        return f"{s['mean']:.{digits}f}"
     return f"{s['mean']:.{digits}f} ± {s['stddev']:.{digits}f}"

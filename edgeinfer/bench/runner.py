@@ -421,9 +421,8 @@ def _peers(bench: _Bench, source: Any) -> list[Peer]:
         skipped += [f"skipping {p.engine} at --parallel: it runs one sequence at a time"
                     for p in peers if p.engine not in PARALLEL_ENGINES]  # fmt: skip
         peers = [p for p in peers if p.engine in PARALLEL_ENGINES]
-    for line in skipped:
-        bench.progress.say(line)
-        bench.report.notes.append(line)
+    # said once, in the report: a missing peer is known before any run, nothing to warn of
+    bench.report.notes.extend(skipped)
     return peers
 
 

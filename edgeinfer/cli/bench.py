@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from ..bench.embed import cmd_bench_embed, is_embedding_model
+from ..bench.plot import plot_missing_message
 from ..bench.records import BenchResultError
-from ..bench.report import BenchReport, plot_missing_message
+from ..bench.report import BenchReport
 from ..bench.runner import DEFAULT_RUN_TIMEOUT_S, BenchSettings, ProgressLine, run_bench
 from ..bounded_json import read_json_file
 from ..errors import InvalidRequestError
