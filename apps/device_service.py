@@ -408,6 +408,11 @@ def main() -> int:
         "--memory-budget",
         help="e.g. 1.5GiB (default: 75%% of RAM, at least 512 MiB left to the OS)",
     )
+    parser.add_argument(
+        "--prompt-cache",
+        metavar="DIR",
+        help="keep long prompts' KV in DIR: after a restart they are read back, not computed",
+    )
     args = parser.parse_args()
     signals = Signals()
     wake = signals.install()  # before load: a stop during it exits 0 once it is loaded
@@ -420,6 +425,7 @@ def main() -> int:
             memory_budget=budget,
             threads=args.threads,
             context_length=args.context_length,
+            prompt_cache=args.prompt_cache,
         )
     except edgeinfer.EdgeInferError as exc:
         log("failed", error=str(exc))
