@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -112,6 +113,7 @@ class Engine:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         max_step_tokens: int | None = None,
         disk: Any = None,
+        owner: object = None,
     ) -> None:
         self._backend = backend
         self._disk = disk  # a prompt cache (edgeinfer.state.attached): prefixes from disk
@@ -123,6 +125,9 @@ class Engine:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="edgeinfer-engine", daemon=True)
         self._thread.start()
+        if owner is not None:  # an owner dropped without close() stops the loop (and lets
+            # go of the backend) when it is collected; at exit the daemon thread just ends
+            weakref.finalize(owner, self.close).atexit = False
 
     # -- callers' side ------------------------------------------------------------------
 

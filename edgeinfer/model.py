@@ -76,7 +76,7 @@ class Model:
         # parallel > 1: one engine thread steps every caller's sequence together
         self._engine = None
         if getattr(backend, "n_slots", 1) > 1:
-            self._engine = Engine(backend, disk=self._disk)
+            self._engine = Engine(backend, disk=self._disk, owner=self)
 
     # -- requests -------------------------------------------------------------------------
 

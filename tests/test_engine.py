@@ -242,3 +242,30 @@ def test_a_burst_of_requests_is_read_whole_before_it_decodes_together() -> None:
     kinds = [step[0] for step in backend.steps]
     assert kinds[:4] == ["prefill"] * 4  # all four prompts read in the first step
     assert decode_batches(backend)[0] == (0, 1, 2, 3)  # then they decode together
+
+
+def test_a_model_dropped_without_close_stops_its_engine_thread() -> None:
+    """The loop thread holds the backend; a model that is only dropped must not keep both
+    alive until the process ends. A stream still being read keeps its model."""
+    import gc
+    import weakref
+
+    def engine_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "edgeinfer-engine"]
+
+    gc.collect()
+    before = len(engine_threads())
+    model, backend = slotted(2)
+    backend_ref = weakref.ref(backend)
+    stream = model.stream(PROMPTS[0], max_new_tokens=4, temperature=0)
+    del model, backend
+    gc.collect()
+    assert stream.collect().finish_reason in ("stop", "length")  # read to its end
+    del stream
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while len(engine_threads()) > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(engine_threads()) == before
+    gc.collect()
+    assert backend_ref() is None  # nothing holds the backend any more
