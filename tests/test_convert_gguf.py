@@ -137,7 +137,8 @@ def test_quantized_ggufs_load_in_both_runtimes(
         done = ref.create_completion("The capital of France is", max_tokens=4, temperature=0)
     finally:
         ref.close()
-    assert text.replace("\ufffd", "") == done["choices"][0]["text"]  # same file, same answer
+    assert text == done["choices"][0]["text"]  # same file, same answer
+    assert "Paris" in text  # the README: the quantized file still answers it
 
 
 def test_failed_validation_leaves_nothing_and_keeps_an_existing_output(
@@ -188,12 +189,14 @@ def test_cli_converts_to_gguf(tiny_hf: Path, tmp_path: Path) -> None:
 def test_writer_peak_memory_stays_below_the_checkpoint(
     default_checkpoint: Path, tmp_path: Path
 ) -> None:
+    """The README: the writer's memory stays near the largest tensor, not the checkpoint."""
     code = (
         "import sys; from pathlib import Path\n"
         "from edgeinfer.converters.gguf.writer import write_gguf\n"
         "from edgeinfer.rss import peak_rss\n"
+        "before = peak_rss()\n"
         "write_gguf(Path(sys.argv[1]), Path(sys.argv[2]), 'f16')\n"
-        "print(peak_rss())\n"
+        "print(before, peak_rss())\n"
     )
     out = tmp_path / "f16.gguf"
     done = subprocess.run(
@@ -201,9 +204,20 @@ def test_writer_peak_memory_stays_below_the_checkpoint(
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    peak = int(done.stdout.strip().splitlines()[-1])
-    checkpoint = sum(p.stat().st_size for p in default_checkpoint.glob("*.safetensors"))
-    assert peak < checkpoint, (peak, checkpoint)
+    before, peak = (int(v) for v in done.stdout.strip().splitlines()[-1].split())
+    files = sorted(default_checkpoint.glob("*.safetensors"))
+    checkpoint = sum(p.stat().st_size for p in files)
+    largest = max(_largest_tensor_bytes(p) for p in files)  # the fp32 embedding, 113 MB
+    # one tensor read (mapped) and its converted copy, with the writer's buffers
+    assert peak - before < 2.5 * largest < checkpoint, (before, peak, largest, checkpoint)
+
+
+def _largest_tensor_bytes(path: Path) -> int:
+    """From the safetensors header: 8 bytes of length, then JSON with each tensor's offsets."""
+    with path.open("rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    spans = [v["data_offsets"] for k, v in header.items() if k != "__metadata__"]
+    return max(end - start for start, end in spans)
 
 
 def test_bos_flag_follows_the_post_processor_when_the_config_is_silent() -> None:
