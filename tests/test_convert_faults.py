@@ -472,6 +472,52 @@ def test_onnx_route_on_a_full_disk(
     assert list(disk.iterdir()) == []
 
 
+def _file_size_limit(limit: int) -> Callable[[], None]:
+    """preexec_fn for a child whose files may not grow past ``limit`` bytes: SIGXFSZ is
+    ignored there, so a write past the limit fails with EFBIG instead of killing it."""
+
+    def apply() -> None:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="RLIMIT_FSIZE is POSIX")
+@pytest.mark.parametrize(
+    ("to", "quant", "limit"),
+    [("gguf", "f32", 64 * 1024), ("gguf", "q4_0", 16 * 1024), ("onnx", "fp32", 64 * 1024)],
+)
+def test_a_write_cut_short_by_a_file_size_limit_leaves_nothing_and_says_so(
+    tiny_hf: Path, tmp_path: Path, to: str, quant: str, limit: int
+) -> None:
+    """Runs for every user (no mount): the space check passes and the write itself fails
+    part way (EFBIG), as when a quota or another program stops it."""
+    out = tmp_path / ("tiny.gguf" if to == "gguf" else "tiny-onnx")
+    old = out / "old.txt" if to == "onnx" else out
+    old.parent.mkdir(exist_ok=True)
+    old.write_bytes(b"an existing model")
+    done = subprocess.run(
+        [sys.executable, "-m", "edgeinfer.cli", "convert", str(tiny_hf), "-o", str(out),
+         "--to", to, "--quant", quant, "--overwrite"],
+        capture_output=True, text=True, check=False, timeout=300,
+        preexec_fn=_file_size_limit(limit),
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]  # after the stage lines: one error line
+    assert last.startswith("edgeinfer: error: "), last
+    assert "nothing was written" in last, last  # a ConversionError, typed, saying so
+    assert old.read_bytes() == b"an existing model"
+    assert _leftovers(tmp_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+    if to == "onnx":
+        assert sorted(p.name for p in out.iterdir()) == ["old.txt"]
+
+
 def test_write_errors_are_typed_and_only_a_full_disk_is_called_full(tmp_path: Path) -> None:
     out = tmp_path / "x.gguf"
     for error, kind in [(OSError(28, "No space left on device"), DiskFullError),
