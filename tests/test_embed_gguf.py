@@ -158,3 +158,16 @@ def test_all_minilm_as_gguf_matches_the_onnx_encoder(monkeypatch: pytest.MonkeyP
     cosine = (got.vectors * want.vectors).sum(1)
     assert cosine.min() >= 0.999, cosine
     assert got.truncated == want.truncated == [False] * 5 + [True]
+
+
+def test_without_the_gguf_package_the_conversion_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from edgeinfer.converters.gguf.bert import write_bert_gguf
+    from edgeinfer.errors import ConversionError
+
+    folder = read_encoder_folder(make_bert_folder(tmp_path / "bert"))
+    monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf raises ImportError
+    with pytest.raises(ConversionError, match=r"edgeinfer\[convert\]"):
+        write_bert_gguf(folder, tmp_path / "bert.gguf")
+    assert list(tmp_path.glob("*.gguf")) == []

@@ -28,7 +28,9 @@ _SKIPPED = ("position_ids", "pooler.")  # buffers and the unused pooler head
 
 def write_bert_gguf(folder: EncoderFolder, out: Path, outtype: str = "f32") -> Path:
     """Write ``folder`` as a BERT GGUF at ``out`` (``outtype`` "f32" or "f16")."""
-    import gguf
+    from .writer import import_gguf
+
+    gguf = import_gguf()  # a ConversionError naming the package when it is missing
 
     if folder.config.model_type != "bert" or folder.pooling not in POOLING_TYPES:
         raise ConversionError(

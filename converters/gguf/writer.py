@@ -74,7 +74,7 @@ def write_gguf(
     Everything the checkpoint says is checked before ``out`` is created: config.json, the
     tokenizer, every tensor's byte range and shape against the config, and the free disk
     space."""
-    gguf = _import_gguf()
+    gguf = import_gguf()
     if outtype not in WRITER_TYPES:
         raise ConversionError(f"the GGUF writer makes {', '.join(WRITER_TYPES)}, not {outtype}")
     hp = read_model_config(checkpoint / "config.json")
@@ -119,7 +119,7 @@ def gguf_architecture(hp: ModelConfig) -> str:
     return arch
 
 
-def _import_gguf() -> Any:
+def import_gguf() -> Any:
     try:
         import gguf
     except ImportError as exc:
