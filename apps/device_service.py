@@ -287,6 +287,7 @@ class Service:
         self.max_new_tokens = max_new_tokens
         self.signals = signals
         self.output_closed = False
+        self.tokens_when_stopped: int | None = None
 
     @property
     def stopping(self) -> bool:
@@ -361,15 +362,24 @@ class Service:
         if result.parsed is not None:
             record["parsed"] = result.parsed
         self.answer(record)
-        log("answered", id=rid, finish_reason=result.finish_reason, tokens=s.completion_tokens)
+        late: dict[str, int] = {}  # tokens made after the stop was seen ("within a token")
+        if self.tokens_when_stopped is not None:
+            late["tokens_after_stop"] = s.completion_tokens - self.tokens_when_stopped
+        log("answered", id=rid, finish_reason=result.finish_reason, tokens=s.completion_tokens,
+            **late)  # fmt: skip
 
     def _until_stopped(self, stream: edgeinfer.TokenStream) -> Iterator[Any]:
         """The stream's chunks; a stop request ends the reply at its next token (the answer
         is still written, finish_reason "cancelled")."""
+        self.tokens_when_stopped = 0 if self.stopping else None
         if self.stopping:
             stream.cancel()
+        made = 0
         for chunk in stream:
+            made += len(chunk.token_ids)
             if self.stopping:
+                if self.tokens_when_stopped is None:
+                    self.tokens_when_stopped = made
                 stream.cancel()
             self.signals.log_new()
             yield chunk

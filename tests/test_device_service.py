@@ -76,8 +76,13 @@ def test_sigterm_mid_reply_ends_it_and_exits_0(default_gguf: Path) -> None:
     assert proc.returncode == 0, err
     (final,) = [json.loads(line) for line in out.splitlines()]
     assert final["id"] == "story" and final["finish_reason"] == "cancelled"
-    assert 0 < final["usage"]["completion_tokens"] < 2000
+    made = final["usage"]["completion_tokens"]
+    assert 0 < made < 2000
     assert "Traceback" not in err
+    (answered,) = [r for r in map(json.loads, err.splitlines()) if r["event"] == "answered"]
+    # "within a token": once the service saw the signal, the step under way ends (one token
+    # may have been made but not yet handed over); nothing more is generated
+    assert answered["tokens"] == made and 0 <= answered["tokens_after_stop"] <= 2, answered
 
 
 def test_device_chat_answers_a_model_without_a_chat_template(no_template_model: Path) -> None:
@@ -89,4 +94,10 @@ def test_device_chat_answers_a_model_without_a_chat_template(no_template_model: 
     )  # fmt: skip
     assert done.returncode == 0 and "Traceback" not in done.stderr
     (record,) = [json.loads(line) for line in done.stdout.splitlines()]
-    assert record["question"] == "Hello" and "answer" in record
+    import edgeinfer
+
+    with edgeinfer.load(folder) as model:  # a base model: the text is completed as it is
+        assert model.chat_template is None
+        want = model.generate("Hello", max_new_tokens=3, temperature=0)
+    assert record["question"] == "Hello" and record["answer"] == want.text
+    assert record["finish_reason"] == want.finish_reason
