@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import EdgeInferError, ModelBusyError
-from .generation import REUSE_GRANULE, Chunk, KVHistory, SequenceState, _slide
+from .generation import REUSE_GRANULE, Chunk, KVHistory, SequenceState, _slide, shared_prefix
 from .sampling import Sampler
 
 if TYPE_CHECKING:
@@ -396,19 +396,10 @@ def _slot_for(free: list[_Slot], ids: list[int]) -> _Slot:
     """The free slot whose cache holds the longest reusable prefix of ``ids``; without one,
     the lowest free slot, so busy slots stay neighbours (backends run a step over a span of
     rows: llama.cpp splits it at every gap, the ONNX graph pads the gaps)."""
-    best = max(free, key=lambda s: _shared_prefix(s.history.tokens, ids))
-    if _shared_prefix(best.history.tokens, ids) >= REUSE_GRANULE:
+    best = max(free, key=lambda s: shared_prefix(s.history.tokens, ids))
+    if shared_prefix(best.history.tokens, ids) >= REUSE_GRANULE:
         return best
     return free[0]
-
-
-def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _rewind_quietly(view: SlotView) -> None:

@@ -89,6 +89,16 @@ class GenerationResult:
     format_incomplete: bool = False
 
 
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` have in common."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class KVHistory:
     """Token ids whose entries are in the backend's KV cache, in order (a prefix of it).
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgeinfer.catalog import edgeinfer_home
 from edgeinfer.errors import EdgeInferError, InvalidRequestError, SnapshotError
+from edgeinfer.generation import shared_prefix
 
 from .sequence import Capture, SeqStates
 from .snapshot import open_snapshot, read_header
@@ -131,10 +132,10 @@ class PromptCache:
     ) -> int:
         """If a snapshot holds more of ``prompt``'s reusable prefix than the KV does, read it
         into ``slot`` and set ``history`` to it; the prompt tokens it brings (0 if none)."""
-        in_memory = _aligned(_common(history.tokens[: history.batched], prompt), len(prompt))
+        in_memory = _aligned(shared_prefix(history.tokens[: history.batched], prompt), len(prompt))
         best, gain = None, 0
         for entry in self._scan(states):
-            n = _aligned(_common(entry.tokens[: entry.reusable], prompt), len(prompt))
+            n = _aligned(shared_prefix(entry.tokens[: entry.reusable], prompt), len(prompt))
             if n >= self.min_tokens and n > max(in_memory, gain):
                 best, gain = entry, n
         if best is None:
@@ -243,7 +244,7 @@ class PromptCache:
         n = len(prompt) - len(prompt) % _GRANULE  # the most a longer prompt can reuse of it
         with self._lock:
             entries = [e for e in self._entries.values() if e.fingerprint == states.fingerprint]
-        if any(_common(e.tokens[: e.reusable], prompt) >= n for e in entries):
+        if any(shared_prefix(e.tokens[: e.reusable], prompt) >= n for e in entries):
             return  # a snapshot already holds as much of it as can be reused
         with self._lock:
             if self._writer is not None and self._writer.is_alive():
@@ -318,15 +319,6 @@ class PromptCache:
         writer = self._writer
         if writer is not None:
             writer.join(timeout)
-
-
-def _common(a: Any, b: Any) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _aligned(common: int, prompt_len: int) -> int:
