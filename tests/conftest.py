@@ -32,16 +32,59 @@ def default_model(default_gguf: Path) -> Iterator[Model]:
     model.close()
 
 
-# Derived artifacts of the default model (its Hugging Face checkpoint, its ONNX conversions)
-# are cached under $EDGEINFER_HOME/derived/<source sha256[:16]>-r<recipe>/, so only the first
-# session pays for them. Bump the recipe when the converter's output changes.
+# Derived artifacts of the default model (its Hugging Face checkpoint, its ONNX conversions,
+# its GGUF) are cached under $EDGEINFER_HOME/derived/<source sha256[:16]>-r<recipe>/, so only
+# the first session pays for them. Each artifact is rebuilt when the code that builds it
+# changes: beside it, ``<name>.key`` holds a hash of the converter's source files and of the
+# libraries' versions it was built with (``_code_key``); a missing or different key is stale.
+# Bump the recipe only to move every artifact at once.
 _RECIPE = 2
+_CONVERTERS = Path(__file__).resolve().parent.parent / "converters"
+# what builds each artifact: converters/*.py ("."), and these folders of converters/ whole
+_ROUTES = {
+    "hf": (".", "sources"),
+    "onnx": (".", "onnx", "sources"),
+    "gguf": (".", "gguf", "sources"),
+}
+_LIBRARIES = ("onnx", "onnxruntime", "optimum", "transformers", "torch", "numpy")
 
 
 def _derived_dir() -> Path:
     entry = catalog.CATALOG[catalog.DEFAULT_MODEL]
     assert entry.sha256 is not None
     return catalog.edgeinfer_home() / "derived" / f"{entry.sha256[:16]}-r{_RECIPE}"
+
+
+def _code_key(route: str) -> str:
+    """A hash of the source files that build ``route``'s artifacts and the versions of the
+    libraries they call."""
+    import hashlib
+    from importlib import metadata
+
+    digest = hashlib.sha256()
+    for part in _ROUTES[route]:
+        folder = _CONVERTERS / part
+        files = folder.glob("*.py") if part == "." else folder.rglob("*.py")
+        for path in sorted(files):
+            digest.update(str(path.relative_to(_CONVERTERS)).encode() + b"\0" + path.read_bytes())
+    for name in _LIBRARIES:
+        try:
+            digest.update(f"{name}={metadata.version(name)};".encode())
+        except metadata.PackageNotFoundError:
+            digest.update(f"{name}=-;".encode())
+    return digest.hexdigest()[:16]
+
+
+def _fresh(artifact: Path, marker: Path, key: str) -> bool:
+    """Whether ``artifact`` exists (``marker`` inside it, or itself) and was built by the
+    code whose ``_code_key`` is ``key``."""
+    stamp = artifact.with_name(artifact.name + ".key")
+    return marker.is_file() and stamp.is_file() and stamp.read_text() == key
+
+
+def _stamp(artifact: Path, key: str) -> None:
+    """Record ``key``, taken before the build began (an edit during it leaves it stale)."""
+    artifact.with_name(artifact.name + ".key").write_text(key)
 
 
 @pytest.fixture(scope="session")
@@ -51,10 +94,11 @@ def default_checkpoint(default_gguf: Path) -> Path:
     from edgeinfer.converters.atomic import atomic_output_dir
     from edgeinfer.converters.sources.checkpoint import checkpoint_from_gguf
 
-    folder = _derived_dir() / "hf"
-    if not (folder / "config.json").is_file():
+    folder, key = _derived_dir() / "hf", _code_key("hf")
+    if not _fresh(folder, folder / "config.json", key):
         with atomic_output_dir(folder, overwrite=True) as partial:
             checkpoint_from_gguf(default_gguf, partial)
+        _stamp(folder, key)
     return folder
 
 
@@ -65,8 +109,8 @@ def default_onnx(default_checkpoint: Path) -> Callable[[str], Path]:
     from edgeinfer.converters import convert
 
     def get(quant: str) -> Path:
-        folder = _derived_dir() / f"onnx-{quant}"
-        if not (folder / "edgeinfer.json").is_file():
+        folder, key = _derived_dir() / f"onnx-{quant}", _code_key("onnx")
+        if not _fresh(folder, folder / "edgeinfer.json", key):
             convert(
                 default_checkpoint,
                 folder,
@@ -75,6 +119,7 @@ def default_onnx(default_checkpoint: Path) -> Callable[[str], Path]:
                 min_top1_agreement=0.0,
                 min_greedy_agreement=0.0,
             )
+            _stamp(folder, key)
         return folder
 
     return get
@@ -94,9 +139,10 @@ def default_gguf_f16(default_checkpoint: Path) -> Path:
     """The default model's checkpoint written back as GGUF f16 by edgeinfer's own writer."""
     from edgeinfer.converters import convert
 
-    out = _derived_dir() / "gguf" / "smollm2-f16.gguf"
-    if not out.is_file():
+    out, key = _derived_dir() / "gguf" / "smollm2-f16.gguf", _code_key("gguf")
+    if not _fresh(out, out, key):
         convert(default_checkpoint, out, to="gguf", quant="f16", overwrite=True)
+        _stamp(out, key)
     return out
 
 
