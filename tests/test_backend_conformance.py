@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -37,20 +38,39 @@ def model(model_path: Path) -> Iterator[Model]:
         yield m
 
 
+@pytest.mark.parametrize("multibyte", [False, True])
 def test_greedy_answer_equals_a_reference_engine(
-    model: Model, model_path: Path, request: pytest.FixtureRequest
+    model: Model, model_path: Path, request: pytest.FixtureRequest, multibyte: bool
 ) -> None:
-    """The same weights through another engine in this run: llama-cpp-python for the GGUF,
+    """The same weights through another engine in this run: llama-cpp-python for the GGUF
+    (also with ASCII tokens banned, so the reply is multi-byte and compared byte for byte),
     transformers on the checkpoint the ONNX model was converted from."""
-    prompt = "The capital of France is"
-    result = model.generate(prompt, max_new_tokens=16, temperature=0)
+    prompt = "Fruit emoji: 🍎 🍌 🍇" if multibyte else "The capital of France is"
+    bias = non_ascii_bias(model) if multibyte else {}
+    if multibyte and model_path.suffix != ".gguf":
+        pytest.skip("the multi-byte reply is compared with llama.cpp's bytes (GGUF only)")
+    result = model.generate(prompt, max_new_tokens=16, temperature=0, logit_bias=bias or None)
     if model_path.suffix == ".gguf":
         ref = policy_llama(str(model_path), n_ctx=512, verbose=False)
         try:
-            done = ref.create_completion(prompt, max_tokens=16, temperature=0)
+            n_prompt = len(ref.tokenize(prompt.encode(), special=True))
+            done = ref.create_completion(prompt, max_tokens=16, temperature=0,
+                                         logit_bias=bias or None)  # fmt: skip
+            # create_completion evaluates every generated token but the last one it returns
+            evaluated = [int(t) for t in ref.input_ids[: ref.n_tokens][n_prompt:]]
+            ref_bytes = ref.detokenize(list(result.token_ids))
         finally:
             ref.close()
-        assert result.text.replace("\ufffd", "") == done["choices"][0]["text"]
+        if not multibyte:  # llama-cpp-python runs past max_tokens to finish a character
+            assert len(result.token_ids) == done["usage"]["completion_tokens"]
+        shared = min(len(evaluated), len(result.token_ids))
+        assert list(result.token_ids[:shared]) == evaluated[:shared]
+        assert len(evaluated) >= len(result.token_ids) - 1
+        # byte for byte: our text is llama.cpp's bytes for the same ids (an undecodable byte
+        # shown as U+FFFD, a character cut at the end left out); llama-cpp-python drops them
+        whole = codecs.getincrementaldecoder("utf-8")(errors="replace").decode(ref_bytes)
+        assert result.text == whole
+        assert done["choices"][0]["text"].startswith(ref_bytes.decode("utf-8", errors="ignore"))
         return
     import torch
     from transformers import AutoModelForCausalLM
