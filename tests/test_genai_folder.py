@@ -454,3 +454,54 @@ def test_generated_genai_folders_are_refused_or_stay_inside(
         assert isinstance(result, Manifest)
         assert (folder / result.model_file).resolve().is_relative_to(folder.resolve())
         assert "SECRET" not in repr(result)
+
+
+# -- a folder made by onnxruntime-genai's own builder -------------------------------------------
+
+BUILT = Path(__file__).resolve().parent / "data" / "genai-tiny"  # tests/make_genai_tiny.py
+
+
+def _genai_greedy(folder: Path, ids: list[int], n: int) -> list[int]:
+    og = pytest.importorskip("onnxruntime_genai")
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(ids) + n)
+    generator = og.Generator(model, params)
+    generator.append_tokens(ids)
+    out: list[int] = []
+    while not generator.is_done() and len(out) < n:
+        generator.generate_next_token()
+        out.append(int(generator.get_next_tokens()[0]))
+    return out
+
+
+def test_a_builder_made_folder_answers_as_onnxruntime_genai_does() -> None:
+    """The builder's own graph and genai_config.json (not ours): edgeinfer's greedy ids equal
+    onnxruntime-genai's on the same folder, computed in this run."""
+    made = json.loads((BUILT.parent / "genai-tiny.json").read_text())
+    assert made["builder"].startswith("python -m onnxruntime_genai.models.builder")
+    manifest = manifest_from_genai_folder(BUILT)
+    assert manifest is not None
+    with edgeinfer.load(BUILT, context_length=128, threads=1) as model:
+        ids = model.tokenize("The capital of France is")
+        ours = model.generate(ids, max_new_tokens=12, temperature=0)
+    assert ours.finish_reason == "length"
+    assert list(ours.token_ids) == _genai_greedy(BUILT, ids, 12)
+
+
+def test_the_bench_worker_for_onnxruntime_genai_runs_on_a_builder_made_folder() -> None:
+    pytest.importorskip("onnxruntime_genai")
+    with edgeinfer.load(BUILT, context_length=128, threads=1) as model:
+        ids = model.tokenize("Hello world")
+    spec = {"engine": "onnxruntime-genai", "model": str(BUILT), "prompt_ids": ids,
+            "new_tokens": 8, "threads": 1, "device": "cpu", "ban_ids": []}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "edgeinfer.bench.worker"],
+        input=json.dumps(spec), capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    mark = "edgeinfer-bench-result "
+    (record,) = [json.loads(x[len(mark) :]) for x in done.stdout.splitlines() if x.startswith(mark)]
+    assert "error" not in record, record
+    assert record["tokens"] == 8 and record["provider"] == "onnxruntime-genai:cpu"
+    assert record["decode_tok_s"] > 0 and record["ttft_s"] > 0
