@@ -50,6 +50,12 @@ def tokenizer_text(text: str) -> str:
     return _LONE_SURROGATE.sub("\ufffd", text)
 
 
+def cut_keeping_last(seqs: Sequence[Sequence[int]], cut: int) -> list[list[int]]:
+    """Each token-id list cut to ``cut`` ids, its last id kept (an encoder's closing [SEP]:
+    the pooled vector of a cut text must still end as the model was trained to see)."""
+    return [list(ids) if len(ids) <= cut else [*ids[: cut - 1], ids[-1]] for ids in seqs]
+
+
 # HTML element names: user-defined tokens such as <table> or </td> are text models write.
 _HTML_ELEMENTS = frozenset(
     "a abbr address area article aside audio b base bdi bdo blockquote body br button canvas "

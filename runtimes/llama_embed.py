@@ -19,6 +19,7 @@ import numpy as np
 
 from edgeinfer.errors import ModelLoadError
 
+from .base import cut_keeping_last
 from .llama_cpp import LlamaCppTokenizer, engine
 
 __all__ = ["LlamaEmbedBackend"]
@@ -73,10 +74,7 @@ class LlamaEmbedBackend:
         """Each text's token ids cut to the maximum length (its last token kept), and each
         text's token count before the cut."""
         full = [self.tokenizer.encode(t, add_special=True, parse_special=False) for t in texts]
-        cut = self._max_len
-        return [ids if len(ids) <= cut else [*ids[: cut - 1], ids[-1]] for ids in full], [
-            len(ids) for ids in full
-        ]
+        return cut_keeping_last(full, self._max_len), [len(ids) for ids in full]
 
     def pooled(self, seqs: Sequence[Sequence[int]]) -> np.ndarray:
         """The pooled vectors float32 [n, dim] of ``seqs`` (token ids, each <= n_ctx)."""

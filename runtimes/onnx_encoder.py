@@ -20,7 +20,7 @@ import numpy as np
 
 from edgeinfer.errors import BackendUnavailableError, ModelLoadError
 
-from .base import tokenizer_text
+from .base import cut_keeping_last, tokenizer_text
 from .tokenizer_json import JsonTokenizer
 
 __all__ = ["EncoderBackend", "open_backend"]
@@ -96,9 +96,8 @@ class EncoderBackend:
         """Each text's token ids cut to the model's maximum length (its last token, [SEP],
         kept), and each text's token count before the cut."""
         encodings = self._batch_tok.encode_batch([tokenizer_text(t) for t in texts])
-        cut = self._max_len
-        seqs = [e.ids if len(e.ids) <= cut else [*e.ids[: cut - 1], e.ids[-1]] for e in encodings]
-        return seqs, [len(e.ids) for e in encodings]
+        full = [e.ids for e in encodings]
+        return cut_keeping_last(full, self._max_len), [len(ids) for ids in full]
 
     def hidden_states(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """The last hidden state float32 [B, S, H] of ids and mask int32 [B, S] (right
