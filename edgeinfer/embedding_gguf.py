@@ -19,7 +19,7 @@ from typing import Any
 
 from . import catalog
 from .config import LoadConfig
-from .embedding_load import plan_embedding_memory, source_key
+from .embedding_load import embedding_model, plan_embedding_memory, source_key
 from .encoder_folder import EncoderConfig, EncoderFolder
 from .errors import ModelLoadError
 from .gguf_file import GGUFHeader
@@ -146,18 +146,9 @@ def load_gguf_embedding(source: Any, config: LoadConfig, budget: int | str | Non
     from .runtimes.llama_embed import LlamaEmbedBackend
 
     backend = LlamaEmbedBackend(source.path, encoder, config.resolved_threads)
-    logger.info("%s memory plan: %s", source.name, plan.describe())
-    chain = [{"provider": "llama.cpp CPU", "device": "cpu", "outcome": "chosen",
-              "reason": "an embedding GGUF runs in llama.cpp's embedding mode"}]  # fmt: skip
-    return Model(
-        backend,
-        name=source.name,
-        path=source.path,
-        model_format="gguf",
-        provider_chain=chain,
-        memory_plan=plan,
-        route={"format": "gguf", "why": "an embedding GGUF runs in llama.cpp's embedding mode"},
-    )
+    why = "an embedding GGUF runs in llama.cpp's embedding mode"
+    chain = [{"provider": "llama.cpp CPU", "device": "cpu", "outcome": "chosen", "reason": why}]
+    return embedding_model(source, backend, plan, chain, "gguf", why)
 
 
 def derived_encoder_gguf(name: str, folder: EncoderFolder, outtype: str = "f32") -> Path:

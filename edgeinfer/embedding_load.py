@@ -65,15 +65,23 @@ def load_encoder(
     )
     encoder = dataclasses.replace(source, path=source.path, header=EncoderModel(folder, graph))
     backend, chain = open_backend(encoder, config, providers)
+    why = "an embedding model runs its encoder graph"
+    return embedding_model(source, backend, plan, chain, "encoder", why)
+
+
+def embedding_model(
+    source: Any, backend: Any, plan: Any, chain: list[dict[str, Any]], model_format: str, why: str
+) -> Model:
+    """The Model of an opened embedding backend (either route), its memory plan logged."""
     logger.info("%s memory plan: %s", source.name, plan.describe())
     return Model(
         backend,
         name=source.name,
         path=source.path,
-        model_format="encoder",
+        model_format=model_format,
         provider_chain=chain,
         memory_plan=plan,
-        route={"format": "encoder", "why": "an embedding model runs its encoder graph"},
+        route={"format": model_format, "why": why},
     )
 
 
