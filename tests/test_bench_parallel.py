@@ -375,9 +375,12 @@ def test_parallel_streams_on_a_tiny_model(tiny_llama_gguf: Path) -> None:
     assert set(rows) == {1, 2}
     for n, row in rows.items():
         assert row["engine"] == "edgeinfer" and row["tokens_generated_min"] == 4 * n
-        for name in ("tg_tok_s", "steady_tg_tok_s", "stream_tg_tok_s", "ttft_p50_ms",
+        for name in ("tg_tok_s", "stream_tg_tok_s", "ttft_p50_ms",
                      "ttft_p95_ms", "join_ttft_ms", "peak_rss_mb"):  # fmt: skip
             assert row[name]["min"] > 0, name
+        # the steady span (every stream decoding) can be empty when 4 tokens of one stream
+        # end before the other's first token on a busy machine; one stream always has one
+        assert row["steady_tg_tok_s"]["min"] > 0 if n == 1 else row["steady_tg_tok_s"]["min"] >= 0
         (run,) = row["runs"]
         assert run["parallel"] == n and len(run["streams"]) == n
         assert all(s["tokens"] == 4 for s in run["streams"])
