@@ -44,6 +44,7 @@ class ConvertConfig:
     # through torch); None picks native for a GGUF source, optimum for a Hugging Face folder
     builder: str | None = None
     head_bits: int | None = None  # native int4: the embedding and output projection at 8 bits
+    kv_dtype: str = "float32"  # native: the graph's KV cache (past/present) element type
     overwrite: bool = False
     allow_pickle: bool = False  # load .bin/.pt weights (pickle can run code: trusted files only)
     # int4 (MatMulNBits): blocks of 32 weights with a zero point each. Asymmetric blocks keep
@@ -89,6 +90,13 @@ class ConvertConfig:
             )
         if self.head_bits is not None and (self.builder != "native" or self.quant != "int4"):
             raise ConversionError("--head-8bit applies to --quant int4 of the native builder")
+        if self.kv_dtype not in ("float32", "float16"):
+            raise ConversionError(f"--kv-dtype {self.kv_dtype!r}: use float32 or float16")
+        if self.kv_dtype != "float32" and (self.to != "onnx" or self.builder != "native"):
+            raise ConversionError(
+                "--kv-dtype float16 is a graph of the native ONNX builder (--to onnx --builder "
+                "native); llama.cpp picks its cache type at load (load(kv_dtype=...))"
+            )
         if self.int4_block_size not in (16, 32, 64, 128, 256):
             raise ConversionError("int4 block size must be 16, 32, 64, 128 or 256")
         if self.int4_accuracy_level not in (None, 0, 1, 2, 3, 4):

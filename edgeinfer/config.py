@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from .busy import CpuShare, cpu_share
 from .errors import InvalidRequestError
 
-__all__ = ["DEFAULT_CONTEXT_LENGTH", "MAX_THREADS", "LoadConfig"]
+__all__ = ["DEFAULT_CONTEXT_LENGTH", "KV_DTYPES", "MAX_THREADS", "LoadConfig"]
 
 # Context used when the caller gives none: the model's trained context, capped here so a
 # 128k-context model does not reserve a KV cache for 128k tokens by default.
@@ -16,6 +16,7 @@ DEFAULT_CONTEXT_LENGTH = 8192
 _MIN_CONTEXT_LENGTH = 16
 # llama.cpp's own limit (GGML_MAX_N_THREADS); more threads than that crashed the engine.
 MAX_THREADS = 512
+KV_DTYPES = ("auto", "float32", "float16")  # load(kv_dtype=...)
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,9 @@ class LoadConfig:
     # Flash attention in llama.cpp: faster on CPU here (decode ~+15%), but its sums differ in
     # the last bits, so greedy output can differ from llama.cpp's default (off) at near-ties.
     flash_attention: bool = False
+    # The KV cache's element type: "auto" (the model's own: float32 in an ONNX graph unless it
+    # was built otherwise, float16 in llama.cpp), "float32" or "float16" (KV_DTYPES).
+    kv_dtype: str = "auto"
     # Sequence slots sharing the model and one KV allocation (load(..., parallel=N)); the
     # backend sizes its cache for this many sequences of context_length tokens each.
     parallel: int = 1
@@ -52,6 +56,10 @@ class LoadConfig:
         if not isinstance(self.flash_attention, bool):
             raise InvalidRequestError(
                 f"flash_attention={self.flash_attention!r} is invalid: expected True or False"
+            )
+        if self.kv_dtype not in KV_DTYPES:
+            raise InvalidRequestError(
+                f"kv_dtype={self.kv_dtype!r} is invalid: expected one of {', '.join(KV_DTYPES)}"
             )
         parallel = self.parallel
         if not isinstance(parallel, int) or isinstance(parallel, bool) or not 1 <= parallel <= 256:

@@ -52,6 +52,7 @@ def load(
     parallel: int | str = 1,
     engine: str = "auto",
     prompt_cache: Any = None,
+    kv_dtype: str = "auto",
 ) -> Model:
     """Open a model for generation.
 
@@ -85,12 +86,18 @@ def load(
     newer half of the conversation instead, and goes on. ``flash_attention=True`` trades
     bit-exact agreement with llama.cpp's defaults for speed on GGUF models.
     ``prompt_cache``: a folder (or True) keeping long prompts' KV on disk (``edgeinfer.state``).
+    ``kv_dtype``: the KV cache's element type. "auto" keeps the model's own: float32 in an
+    ONNX graph (a catalog GGUF's transcode is exact), float16 in llama.cpp. "float16" halves
+    the cache on the ONNX route (a catalog model's transcode is built once more, with
+    attention on halves; its agreement with float32 is in the README), "float32" doubles
+    llama.cpp's. An ONNX folder runs with the type its graph was built for: asking another
+    raises ``InvalidRequestError`` naming ``edgeinfer convert --kv-dtype``.
     """
     cache = _check_options(context_overflow, allow_fallback, engine, prompt_cache)
     if parallel != "auto":
         parallel = check_parallel(parallel)
     config = LoadConfig(device=device, context_length=context_length, threads=threads,
-                        flash_attention=flash_attention)  # fmt: skip
+                        flash_attention=flash_attention, kv_dtype=kv_dtype)  # fmt: skip
     named = resolve(model)
     if named.format == "encoder":  # an embedding model (embedding_load.py): no KV cache, slots
         return load_encoder(named, config, memory_budget, allow_fallback)
@@ -141,7 +148,7 @@ def _routed(
     route of many slots; if the plan then holds one slot only, the route of one."""
     wanted = 2 if parallel == "auto" else int(parallel)
     route = route_for(model, named, config.device, parallel=wanted, engine=engine)
-    source = transcoded_catalog_model(named) if route.format != named.format else named
+    source = _source_for(named, route, config.kv_dtype)
     fitted = _fitted(source, config, budget, parallel)
     if fitted.parallel == 1 and wanted > 1:
         single = route_for(model, named, config.device, parallel=1, engine=engine)
@@ -152,6 +159,22 @@ def _routed(
 
 
 _ENGINES = {"gguf": "llama_cpp", "onnx": "onnxruntime"}  # the engine each format runs on
+
+
+def _source_for(named: ModelSource, route: Route, kv_dtype: str) -> ModelSource:
+    """What ``route`` opens: ``named``, or its ONNX transcode with a ``kv_dtype`` cache; an
+    ONNX folder only with the cache type its graph takes."""
+    if route.format != named.format:
+        return transcoded_catalog_model(named, "float16" if kv_dtype == "float16" else "float32")
+    if named.format == "onnx" and kv_dtype != "auto":
+        built = named.header.architecture.kv_dtype
+        if built != kv_dtype:
+            raise InvalidRequestError(
+                f"kv_dtype={kv_dtype!r}: {named.name}'s graph takes a {built} KV cache; build "
+                f"one for {kv_dtype} with 'edgeinfer convert SOURCE --to onnx --kv-dtype "
+                f"{kv_dtype}', or load it with kv_dtype='auto'"
+            )
+    return named
 
 
 def _check_options(
@@ -186,6 +209,8 @@ def _fitted(
 ) -> LoadConfig:
     """``config`` with the slots, context and batch the memory plan for ``source`` allows."""
     shape = shape_of(source)
+    if source.format == "gguf" and config.kv_dtype == "float32":  # llama.cpp's F32 cache
+        shape = dataclasses.replace(shape, kv_element_bytes=4)
     memory = plan_memory(
         shape,
         budget=budget,
@@ -271,33 +296,37 @@ def _catalog_gguf(model: str | PathLike[str], source: ModelSource) -> bool:
     )
 
 
-def transcoded_catalog_model(source: ModelSource) -> ModelSource:
+def transcoded_catalog_model(source: ModelSource, kv_dtype: str = "float32") -> ModelSource:
     """The catalog GGUF ``source`` as an ONNX folder of the native builder (its blocks kept
-    exactly), made once under ``$EDGEINFER_HOME/derived`` and reused."""
-    folder = native_folder_for(source)
+    exactly, its KV cache of ``kv_dtype``), made once under ``$EDGEINFER_HOME/derived`` and
+    reused."""
+    folder = native_folder_for(source, kv_dtype)
     if not (folder / MANIFEST_NAME).is_file() or (folder / PARTIAL_MARKER).exists():
         logger.warning(
             "%s: building its ONNX graph once into %s (native builder, blocks kept)",
             source.name,
             folder,
         )
-        _build_native(source.path, folder)
+        _build_native(source.path, folder, kv_dtype)
     return ModelSource(source.name, folder, "onnx", Manifest.read(folder))
 
 
-def native_folder_for(source: ModelSource) -> Path:
-    """Where the catalog model ``source`` is transcoded: keyed by its checked sha256."""
+def native_folder_for(source: ModelSource, kv_dtype: str = "float32") -> Path:
+    """Where the catalog model ``source`` is transcoded: keyed by its checked sha256 (and a
+    suffix for a float16 KV cache)."""
     entry = catalog.lookup(source.name)
     if entry is None or entry.sha256 is None:
         raise ModelLoadError(f"{source.name} is not a catalog model with a known checksum")
     name = f"{entry.sha256[:16]}-native-v{_NATIVE_FORMAT}"
+    if kv_dtype == "float16":
+        name += "-kv16"
     return catalog.edgeinfer_home() / "derived" / name
 
 
 _NATIVE_FORMAT = 3  # bump when the builder's output changes, so old folders are rebuilt
 
 
-def _build_native(src: Path, folder: Path) -> None:
+def _build_native(src: Path, folder: Path, kv_dtype: str = "float32") -> None:
     try:
         from edgeinfer.converters.atomic import atomic_output_dir
         from edgeinfer.converters.onnx.folder import write_gguf_folder
@@ -311,4 +340,4 @@ def _build_native(src: Path, folder: Path) -> None:
         )
     folder.parent.mkdir(parents=True, exist_ok=True)
     with atomic_output_dir(folder, overwrite=True) as partial:
-        write_gguf_folder(src, partial)
+        write_gguf_folder(src, partial, kv_dtype=kv_dtype)

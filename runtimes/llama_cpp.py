@@ -200,6 +200,7 @@ class LlamaCppBackend:
             # threads=None: re-measured between requests (busy.py), set with llama_set_n_threads
             self._tuner = ThreadTuner(self._threads) if config.threads is None else None
             self._flash_attention = config.flash_attention
+            self._kv_dtype = "float32" if config.kv_dtype == "float32" else "float16"
             # Prefill is cut into chunks of the planned batch; a decode step carries one token
             # per slot, so the context takes at least n_slots tokens per llama_decode.
             self._chunk = min(self._n_ctx, config.batch_size or _MAX_BATCH)
@@ -226,6 +227,7 @@ class LlamaCppBackend:
             "batch_size": self._chunk,
             "flash_attention": self._flash_attention,
             "parallel": self._n_slots,
+            "kv_dtype": self._kv_dtype,
         }
         if self._n_slots > 1:
             self._info["kv_unified"] = self._unified
@@ -270,6 +272,8 @@ class LlamaCppBackend:
         # Sliding-window layers (Gemma 3, ...) keep their whole cache, as the memory plan counts
         # it: a cache pruned to the window cannot be rewound exactly for prefix reuse.
         params.swa_full = True
+        if self._kv_dtype == "float32":  # llama.cpp's default is F16
+            params.type_k = params.type_v = self._llama.GGML_TYPE_F32
         params.flash_attn_type = (
             self._llama.LLAMA_FLASH_ATTN_TYPE_ENABLED
             if self._flash_attention

@@ -27,7 +27,7 @@ _FIXED_OVERHEAD = 1 << 16  # per-layer types and row sizes, stream headers
 def layout(backend: Any) -> dict[str, Any]:
     """The settings a sequence's KV depends on (the fingerprint's backend part)."""
     return {
-        "kv_type": "f16",
+        "kv_type": "f32" if backend._kv_dtype == "float32" else "f16",
         "flash_attention": bool(backend._flash_attention),
         "n_ctx": int(backend._n_ctx),
         "batch": int(backend._chunk),

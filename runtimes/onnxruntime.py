@@ -124,6 +124,7 @@ class OrtBackend:
             "batch_size": self._chunk,
             "slots": self._n_slots,
             "quantization": manifest.quantization.get("method", "unknown"),
+            "kv_dtype": arch.kv_dtype,
         }
 
     def _slot_cache(self) -> SlotCache:

@@ -32,6 +32,7 @@ def write_gguf_folder(
     quant: str = "keep",
     head_bits: int | None = None,
     max_context: int | None = None,
+    kv_dtype: str = "float32",
     on_progress: Any = None,
 ) -> tuple[Manifest, BuildReport]:
     """Fill the existing, empty ``folder`` with the graph of the GGUF ``src``, its
@@ -45,6 +46,7 @@ def write_gguf_folder(
         quant=quant,
         head_bits=head_bits,
         max_context=max_context,
+        kv_dtype=kv_dtype,
         on_progress=on_progress,
     )
     write_tokenizer_files(vocab, folder, document)
@@ -67,6 +69,7 @@ def _manifest(src: Path, vocab: GGUFVocabulary, report: BuildReport, quant: str)
             max_context=report.max_context,
             vocab_size=shape.vocab,
             kv_cache="shared",
+            kv_dtype=report.kv_dtype,
         ),
         chat_template_file="chat_template.jinja" if vocab.chat_template else None,
         bos_token=vocab.token(vocab.bos_id),

@@ -43,7 +43,12 @@ def convert_native(
         stage(f"building the ONNX graph of {src.name} ({cfg.quant}, native builder)")
         bar = _TensorBar(stage)
         manifest, built = write_gguf_folder(
-            src, partial, quant=str(cfg.quant), head_bits=cfg.head_bits, on_progress=bar
+            src,
+            partial,
+            quant=str(cfg.quant),
+            head_bits=cfg.head_bits,
+            kv_dtype=cfg.kv_dtype,
+            on_progress=bar,
         )
         bar.close()
         if built.widened:
@@ -95,7 +100,12 @@ def _write_checkpoint_folder(
 ) -> Manifest:
     """The graph, tokenizer files and manifest of the checkpoint ``source`` in ``partial``."""
     built = build_onnx_from_gguf(
-        source.folder, partial, quant=str(cfg.quant), head_bits=cfg.head_bits, on_progress=bar
+        source.folder,
+        partial,
+        quant=str(cfg.quant),
+        head_bits=cfg.head_bits,
+        kv_dtype=cfg.kv_dtype,
+        on_progress=bar,
     )
     bar.close()
     method = {"method": "float" if cfg.quant in ("keep", "fp32") else str(cfg.quant)}
@@ -103,7 +113,10 @@ def _write_checkpoint_folder(
     manifest = dataclasses.replace(
         written,
         architecture=dataclasses.replace(
-            written.architecture, kv_cache="shared", max_context=built.max_context
+            written.architecture,
+            kv_cache="shared",
+            max_context=built.max_context,
+            kv_dtype=built.kv_dtype,
         ),
         has_position_ids=False,
         quantization={**method, "builder": "native", "nbits": built.nbits},

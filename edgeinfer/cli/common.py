@@ -41,6 +41,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--threads", type=int, metavar="N", help="compute threads (default: cores)")
     g.add_argument(
+        "--kv-dtype",
+        choices=("auto", "float32", "float16"),
+        default="auto",
+        help="the KV cache's element type: auto (default: the model's own; float32 on an ONNX "
+        "transcode, float16 on llama.cpp), or float16 for half the cache's memory (a catalog "
+        "model's transcode is built again for it; 'edgeinfer bench --agreement' measures it)",
+    )
+    g.add_argument(
         "--memory-budget",
         metavar="SIZE",
         help="most memory the process may use, e.g. 512MB or 1.5GiB (default: what it uses "
@@ -155,6 +163,8 @@ def load_options(args: argparse.Namespace, parallel: int | str = 1) -> dict[str,
         "context_length": args.context_length,
         "threads": args.threads,
     }
+    if getattr(args, "kv_dtype", "auto") != "auto":
+        options["kv_dtype"] = args.kv_dtype
     if parallel != 1:
         options["parallel"] = parallel
     if getattr(args, "prompt_cache", None):  # serve --prompt-cache DIR

@@ -63,6 +63,13 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="native --quant int4: keep the embedding and the output projection at 8 bits",
     )
+    p.add_argument(
+        "--kv-dtype",
+        choices=("float32", "float16"),
+        default="float32",
+        help="native builder: the graph's KV cache type; float16 halves the cache's memory "
+        "(attention computed on halves; validated like any conversion)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument(
         "--allow-pickle",
@@ -129,6 +136,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         builder=args.builder,
         quant=args.quant,
         head_bits=8 if args.head_8bit else None,
+        kv_dtype=args.kv_dtype,
         overwrite=args.overwrite,
         allow_pickle=args.allow_pickle,
         int4_block_size=args.int4_block_size,

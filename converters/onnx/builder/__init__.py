@@ -27,6 +27,13 @@ builder lacks, add one function in the module of its part (an activation to
 
 from .arch import SUPPORTED_ARCHITECTURES, gguf_shape
 from .build import build_onnx_from_gguf
-from .context import QUANTS, BuildReport
+from .context import KV_DTYPES, QUANTS, BuildReport
 
-__all__ = ["QUANTS", "SUPPORTED_ARCHITECTURES", "BuildReport", "build_onnx_from_gguf", "gguf_shape"]
+__all__ = [
+    "KV_DTYPES",
+    "QUANTS",
+    "SUPPORTED_ARCHITECTURES",
+    "BuildReport",
+    "build_onnx_from_gguf",
+    "gguf_shape",
+]

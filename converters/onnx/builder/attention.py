@@ -31,6 +31,7 @@ class Shared:
     sin: str
     cos_swa: str = ""
     sin_swa: str = ""
+    half: bool = False  # float16 KV: GQA takes q/k/v and the rotary caches as halves
 
 
 def shared_inputs(b: BuildContext) -> Shared:
@@ -45,12 +46,17 @@ def shared_inputs(b: BuildContext) -> Shared:
     total32 = g.node("Cast", [total], to=TensorProto.INT32)[0]
     halves = _const(b, "ffn_halves", [b.shape.ffn, b.shape.ffn])
     s = b.shape
+    half = b.kv_dtype == "float16"
+    dtype = np.float16 if half else np.float32
     cos, sin = rotary_cache(s.rope_dim, s.rope_base, s.rope_scale, b.context)
-    names = (g.const("cos_cache", cos), g.const("sin_cache", sin))
+    names = (g.const("cos_cache", cos.astype(dtype)), g.const("sin_cache", sin.astype(dtype)))
     if s.swa_pattern:  # sliding-window layers rotate with their own base, unscaled
         cos, sin = rotary_cache(s.rope_dim, s.rope_base_swa, 1.0, b.context)
-        names += (g.const("cos_cache_swa", cos), g.const("sin_cache_swa", sin))
-    return Shared(seqlens_k, total32, halves, *names)
+        names += (
+            g.const("cos_cache_swa", cos.astype(dtype)),
+            g.const("sin_cache_swa", sin.astype(dtype)),
+        )
+    return Shared(seqlens_k, total32, halves, *names, half=half)
 
 
 def rotary_cache(
@@ -100,10 +106,14 @@ def _bias(b: BuildContext, t: TensorInfo | None, n: int) -> np.ndarray:
 
 def attention(b: BuildContext, shared: Shared, i: int, inputs: list[str]) -> str:
     """Layer ``i``'s GroupQueryAttention; its KV cache is past_key_values.{i} -> present.{i}."""
-    s = b.shape
+    from onnx import TensorProto
+
+    s, g = b.shape, b.graph
     swa = s.is_swa(i)
-    out = b.graph.name(f"blk.{i}.attn")
-    b.graph.node_named(
+    if shared.half:  # the cache's type is GQA's type: q/k/v go in as halves, out as floats
+        inputs = [g.node("Cast", [x], to=TensorProto.FLOAT16)[0] if x else "" for x in inputs]
+    out = g.name(f"blk.{i}.attn")
+    g.node_named(
         "GroupQueryAttention",
         [
             *inputs,
@@ -123,7 +133,7 @@ def attention(b: BuildContext, shared: Shared, i: int, inputs: list[str]) -> str
         rotary_interleaved=int(s.rotary_interleaved),
         local_window_size=s.sliding_window if swa else -1,
     )
-    return out
+    return g.node("Cast", [out], to=TensorProto.FLOAT)[0] if shared.half else out
 
 
 def _const(b: BuildContext, name: str, values: list[int]) -> str:

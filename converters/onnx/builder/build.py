@@ -11,7 +11,7 @@ from typing import IO, Any
 from edgeinfer.gguf_file import GGUFHeader, read_gguf_header
 
 from .arch import architecture, gguf_shape
-from .context import BuildContext, BuildReport, Quant
+from .context import BuildContext, BuildReport, Quant, check_kv_dtype
 from .decoder import decoder, graph_values
 from .graph import Graph
 from .tensors import GGUFTensors, TensorSource
@@ -42,6 +42,7 @@ def build_onnx_from_gguf(
     quant: str = "keep",
     head_bits: int | None = None,
     max_context: int | None = None,
+    kv_dtype: str = "float32",
     on_progress: Callable[[int, int], None] | None = None,
 ) -> BuildReport:
     """Write ``model.onnx`` + ``model.onnx.data`` for ``src`` — a GGUF file, or a Hugging Face
@@ -51,16 +52,18 @@ def build_onnx_from_gguf(
     floats; block types without an exact form are widened), re-round every projection to
     symmetric ``int4``/``int8`` blocks (``head_bits=8`` keeps the embedding and the output
     projection at 8 bits), or widen everything to ``fp32``. ``on_progress(done, total)``
-    counts the source's tensors as they are written. Returns what was kept in blocks and
-    what was widened."""
+    counts the source's tensors as they are written. ``kv_dtype="float16"`` makes the KV
+    cache (past/present) halves: half its memory, attention computed on halves. Returns what
+    was kept in blocks and what was widened."""
     chosen = Quant(quant, head_bits)
+    kv_dtype = check_kv_dtype(kv_dtype)
     out, src = Path(out_dir), Path(src)
     progress = _Progress(on_progress)
     with contextlib.ExitStack() as stack:
         header, tensors = _open_source(stack, src, progress)
         progress.total = len(header.tensors)
         data = stack.enter_context(open(out / _DATA_FILE, "wb"))
-        return _build(header, tensors, out, data, chosen, max_context)
+        return _build(header, tensors, out, data, chosen, max_context, kv_dtype)
 
 
 def _open_source(
@@ -81,12 +84,13 @@ def _build(
     data: IO[bytes],
     quant: Quant,
     max_context: int | None,
+    kv_dtype: str,
 ) -> BuildReport:
     graph = Graph(data, _DATA_FILE)
     shape = gguf_shape(header)  # the header's checks, before anything is read
     context = min(max_context or shape.context, shape.context)
-    report = BuildReport(header.architecture, shape.layers, {}, {}, context, shape)
-    b = BuildContext(tensors, shape, architecture(header), quant, context, graph, report)
+    report = BuildReport(header.architecture, shape.layers, {}, {}, context, shape, kv_dtype)
+    b = BuildContext(tensors, shape, architecture(header), quant, context, graph, report, kv_dtype)
     graph.node_named("Identity", [decoder(b)], ["logits"])
     for t in header.tensors:  # tensors the graph does not use (rope_freqs, ...) count as done
         if t.name not in tensors.seen:

@@ -13,9 +13,10 @@ from .arch import Arch, Shape
 from .graph import Graph
 from .tensors import TensorSource
 
-__all__ = ["QUANTS", "BuildContext", "BuildReport", "Quant"]
+__all__ = ["KV_DTYPES", "QUANTS", "BuildContext", "BuildReport", "Quant", "check_kv_dtype"]
 
 QUANTS = ("keep", "int4", "int8", "fp32")  # keep: the GGUF's own blocks, exactly
+KV_DTYPES = ("float32", "float16")  # the KV cache's element type (past/present)
 
 
 @dataclass
@@ -26,6 +27,7 @@ class BuildReport:
     widened: dict[str, str]  # tensor -> why it is stored as floats
     max_context: int
     shape: Shape
+    kv_dtype: str = "float32"
 
     def count_blocks(self, bits: int, block_size: int) -> None:
         key = f"{bits}-bit/{block_size}"
@@ -61,6 +63,15 @@ class Quant:
         return self.head_bits or self.bits
 
 
+def check_kv_dtype(kv_dtype: object) -> str:
+    """``kv_dtype`` if the builder writes it; ConversionError naming the choices otherwise."""
+    if isinstance(kv_dtype, str) and kv_dtype in KV_DTYPES:
+        return kv_dtype
+    raise ConversionError(
+        f"kv_dtype={kv_dtype!r}: the native builder writes {' or '.join(KV_DTYPES)}"
+    )
+
+
 @dataclass(frozen=True)
 class BuildContext:
     """What every graph function reads. The graph and the report are the objects being
@@ -73,6 +84,7 @@ class BuildContext:
     context: int  # positions the rotary caches cover
     graph: Graph
     report: BuildReport
+    kv_dtype: str = "float32"  # float16: attention runs on halves, the cache takes half
 
     def need(self, name: str) -> TensorInfo:
         t = self.tensors.info(name)

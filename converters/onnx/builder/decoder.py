@@ -2,7 +2,8 @@
 its graphs:
 
 - inputs ``input_ids`` int64 [B, S], ``attention_mask`` int64 [B, T], and per layer
-  ``past_key_values.{i}.key`` / ``.value`` float32 [B, kv_heads, P, head_dim];
+  ``past_key_values.{i}.key`` / ``.value`` float32 (or float16, the build's ``kv_dtype``)
+  [B, kv_heads, P, head_dim];
 - outputs ``logits`` float32 [B, 1, vocab] (each row's last position) and
   ``present.{i}.key`` / ``.value``.
 
@@ -70,10 +71,11 @@ def graph_values(b: BuildContext) -> tuple[list[Any], list[Any]]:
         make("attention_mask", TensorProto.INT64, [BATCH, "total_sequence_length"]),
     ]
     outputs = [make("logits", TensorProto.FLOAT, [BATCH, 1, s.vocab])]
+    kv = TensorProto.FLOAT16 if b.kv_dtype == "float16" else TensorProto.FLOAT
     past = [BATCH, s.kv_heads, "past_sequence_length", s.head_dim]
     present = [BATCH, s.kv_heads, "total_sequence_length", s.head_dim]
     for i in range(s.layers):
         for kind in ("key", "value"):
-            inputs.append(make(f"past_key_values.{i}.{kind}", TensorProto.FLOAT, past))
-            outputs.append(make(f"present.{i}.{kind}", TensorProto.FLOAT, present))
+            inputs.append(make(f"past_key_values.{i}.{kind}", kv, past))
+            outputs.append(make(f"present.{i}.{kind}", kv, present))
     return inputs, outputs
