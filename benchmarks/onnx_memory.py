@@ -14,7 +14,8 @@ load average is recorded beside every run, and the figures are medians over the 
     python benchmarks/onnx_memory.py --summarize FILE.json   # medians in MB added to a file
 
 Engines: ``onnx-native`` (edgeinfer.load of the folder the native builder writes from the
-GGUF, built once per invocation into a temporary folder), ``gguf`` (edgeinfer.load of the
+GGUF, built once per invocation into a temporary folder), ``onnx-native-kv16`` (the same
+graph built with a float16 KV cache, ``--kv-dtype float16``), ``gguf`` (edgeinfer.load of the
 GGUF: llama.cpp through edgeinfer) and ``llama-cpp-python`` (``llama_cpp.Llama`` with
 ``eval``: no edgeinfer code at all).
 
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).parent
-ENGINES = ("onnx-native", "gguf", "llama-cpp-python")
+ENGINES = ("onnx-native", "onnx-native-kv16", "gguf", "llama-cpp-python")
 SESSION_MODES = ("default", "no-prepacking", "prepacked-in-file", "no-constant-folding")
 TEXT = "The quick brown fox jumps over the lazy dog while the river runs to the sea. "
 
@@ -201,11 +202,12 @@ def _summary(runs: list[dict[str, Any]], contexts: list[int]) -> dict[str, Any]:
                 min(r["peak_rss"] for r in rows),
                 max(r["peak_rss"] for r in rows),
             ]
-        native, peer = per.get("onnx-native"), per.get("llama-cpp-python")
-        if native and peer:
-            per["native_peak_over_llama_cpp_python"] = round(
-                native["peak_rss"] / peer["peak_rss"], 3
-            )
+        peer = per.get("llama-cpp-python")
+        for engine, key in (("onnx-native", "native"), ("onnx-native-kv16", "native_kv16")):
+            if per.get(engine) and peer:
+                per[f"{key}_peak_over_llama_cpp_python"] = round(
+                    per[engine]["peak_rss"] / peer["peak_rss"], 3
+                )
         out[str(ctx)] = per
     return out
 
@@ -233,7 +235,9 @@ def engines_main(args: argparse.Namespace, folder: Path, save: Any) -> dict[str,
         order = list(args.engines) if r % 2 == 0 else list(reversed(args.engines))
         for ctx in args.contexts:
             for engine in order:
-                model = str(folder) if engine == "onnx-native" else str(args.gguf)
+                model = str(args.gguf)
+                if engine.startswith("onnx-native"):
+                    model = str(folder if engine == "onnx-native" else folder.parent / "kv16")
                 row = _run(
                     ENGINE_CHILD, engine, model, str(ctx), str(args.threads),
                     str(args.prompt_tokens), str(args.new_tokens), json.dumps(args.banned),
@@ -355,6 +359,11 @@ def main() -> int:
         folder = Path(tmp) / "native"
         folder.mkdir()
         write_gguf_folder(args.gguf, folder, max_context=max(args.contexts))
+        if "onnx-native-kv16" in args.engines:
+            (Path(tmp) / "kv16").mkdir()
+            write_gguf_folder(
+                args.gguf, Path(tmp) / "kv16", max_context=max(args.contexts), kv_dtype="float16"
+            )
         args.out.parent.mkdir(parents=True, exist_ok=True)
 
         def save(part: dict[str, Any]) -> None:  # after every run: a cut-short run keeps its rows
