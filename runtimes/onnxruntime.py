@@ -29,6 +29,7 @@ from edgeinfer.errors import (
 )
 from edgeinfer.manifest import MANIFEST_NAME, Architecture, Manifest, resolve_inside
 from edgeinfer.policy import CPU_PROVIDER, Candidate
+from edgeinfer.rss import release_free_heap
 
 from .base import aligned_chunks, check_fits, check_slot
 from .onnx_checks import (
@@ -91,7 +92,11 @@ class OrtBackend:
         self._chunk = config.batch_size or _PREFILL_CHUNK
         model_path, facts = _model_path(folder, manifest)
         check_rotary(facts.rotary_positions, arch.max_context, manifest)
+        # the tokenizer first: what its parse frees goes back before the session grows on top
+        self.tokenizer = _open_tokenizer(folder, manifest)
+        release_free_heap()
         self._session = self._open_session(model_path, candidate)
+        release_free_heap()  # the graph's protobuf and what optimizing it freed
         self._n_ctx = config.context_for(arch.max_context)
         self._has_position_ids = any(i.name == "position_ids" for i in self._session.get_inputs())
         self._kv_type = np.float16 if arch.kv_dtype == "float16" else np.float32
@@ -113,7 +118,6 @@ class OrtBackend:
         self._past: list[Any] = []  # a growing cache's values (one slot)
         self._slot_past = [0] * self._n_slots
         self.rewind(0)
-        self.tokenizer = _open_tokenizer(folder, manifest)
         self._info = {
             "backend": "onnxruntime",
             "engine_version": ort.__version__,

@@ -90,3 +90,41 @@ def test_any_value_is_taken_or_refused_cleanly(value: object) -> None:
     x = np.full(VOCAB, 3e38, dtype=np.float32)  # near float32's largest: must stay finite
     token = Sampler(config, VOCAB)(x, [], list(range(VOCAB)) * 3)
     assert 0 <= token < VOCAB
+
+
+def test_batch_rows_take_the_penalties_and_refuse_them_out_of_range() -> None:
+    from edgeinfer.batch.records import parse_line
+
+    base = SamplingConfig()
+    row = parse_line(b'{"prompt": "a", "frequency_penalty": 1.5, "presence_penalty": -0.5}', 1, base)
+    assert row.request is not None
+    assert (row.request.config.frequency_penalty, row.request.config.presence_penalty) == (1.5, -0.5)
+    bad = parse_line(b'{"prompt": "a", "presence_penalty": 3}', 2, base)
+    assert bad.request is None and bad.error is not None
+    assert "presence_penalty" in bad.error["message"]
+
+
+def test_the_cli_flags_reach_the_sampler(tiny_llama_gguf) -> None:
+    """Negative penalties (OpenAI allows down to -2) favour what the reply already said: the
+    tiny random model's greedy reply then repeats itself far more than without them."""
+    import json
+    import subprocess
+    import sys
+
+    def reply(*extra: str) -> list[int]:
+        out = subprocess.run(
+            [sys.executable, "-m", "edgeinfer", "run", str(tiny_llama_gguf), "-p", "one two",
+             "-n", "24", "--temperature", "0", "--json", *extra],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["token_ids"]
+
+    plain = reply()
+    repeating = reply("--frequency-penalty", "-2", "--presence-penalty", "-2")
+    assert len(set(repeating)) < len(set(plain))
+    bad = subprocess.run(
+        [sys.executable, "-m", "edgeinfer", "run", str(tiny_llama_gguf), "-p", "x",
+         "--frequency-penalty", "9"], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert bad.returncode == 1 and "frequency_penalty" in bad.stderr

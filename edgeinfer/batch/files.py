@@ -96,7 +96,14 @@ def _lines(f: BinaryIO) -> Iterator[tuple[int, bytes, bool]]:
 
 # CSV cells are text; these columns hold numbers or JSON
 _CSV_INTS = ("max_tokens", "max_new_tokens", "max_completion_tokens", "top_k", "seed")
-_CSV_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty")
+_CSV_FLOATS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
 _CSV_JSON = ("messages", "stop", "logit_bias", "response_format", "metadata")
 
 

@@ -49,6 +49,8 @@ _SAMPLING_FIELDS = (
     "top_k",
     "min_p",
     "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
     "seed",
     "stop",
     "logit_bias",

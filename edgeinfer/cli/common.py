@@ -77,6 +77,18 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, metavar="P", help="1 = off (default: 0.95)")
     g.add_argument("--min-p", type=float, metavar="P", help="0 = off (default: 0)")
     g.add_argument("--repetition-penalty", type=float, metavar="R", help="1 = off (default: 1)")
+    g.add_argument(
+        "--frequency-penalty",
+        type=float,
+        metavar="F",
+        help="OpenAI's: minus F per time a token was generated, -2 to 2 (default: 0)",
+    )
+    g.add_argument(
+        "--presence-penalty",
+        type=float,
+        metavar="P",
+        help="OpenAI's: minus P once a token was generated, -2 to 2 (default: 0)",
+    )
     g.add_argument("--seed", type=int, metavar="S", help="same seed, same output")
     g.add_argument(
         "--stop", action="append", metavar="TEXT", help="stop before this text (repeatable)"
@@ -127,6 +139,8 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "top_p",
         "min_p",
         "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
         "seed",
         "stop",
     )
