@@ -12,6 +12,8 @@ load average is recorded beside every run, and the figures are medians over the 
     python benchmarks/onnx_memory.py --gguf tiny.gguf --out benchmarks/results/x.json
     python benchmarks/onnx_memory.py --sessions              # onnxruntime session options only
     python benchmarks/onnx_memory.py --summarize FILE.json   # medians in MB added to a file
+    python benchmarks/onnx_memory.py --tiny qwen2 --contexts 256 --prompt-tokens 64 \
+        --new-tokens 64                                      # a tiny random test family
 
 Engines: ``onnx-native`` (edgeinfer.load of the folder the native builder writes from the
 GGUF, built once per invocation into a temporary folder), ``onnx-native-kv16`` (the same
@@ -327,6 +329,11 @@ def _machine() -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", type=Path, default=None, help="default: the default model's file")
+    ap.add_argument(
+        "--tiny",
+        choices=("llama", "qwen2", "gemma3"),
+        help="a tiny random model of the tests' fixtures instead (f32 GGUF, made here)",
+    )
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     ap.add_argument("--rounds", type=int, default=3)
@@ -340,7 +347,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.summarize:
         return summarize(args.summarize)
-    if args.gguf is None:
+    tiny_dir = tempfile.TemporaryDirectory(prefix="onnx-memory-tiny-")
+    if args.tiny:
+        args.gguf = _tiny_gguf(args.tiny, Path(tiny_dir.name))
+    elif args.gguf is None:
         from edgeinfer.loader import resolve
 
         args.gguf = resolve("smollm2-135m-instruct").path
@@ -373,8 +383,27 @@ def main() -> int:
 
         main_part = sessions_main if args.sessions else engines_main
         save(main_part(args, folder, save))
+    tiny_dir.cleanup()
     print(json.dumps(result.get("summary") or result.get("session_summary"), indent=1))
     return 0
+
+
+def _tiny_gguf(family: str, tmp: Path) -> Path:
+    """The tests' tiny random ``family`` written as an f32 GGUF (tests/tiny_hf.py,
+    tests/tiny_gemma.py)."""
+    sys.path.insert(0, str(HERE.parent))
+    if family == "gemma3":
+        from tests.tiny_gemma import build_tiny_gemma_checkpoint, write_tiny_gemma_gguf
+
+        folder = build_tiny_gemma_checkpoint(tmp / "hf")
+        return write_tiny_gemma_gguf(folder, tmp / "tiny-gemma3-f32.gguf")
+    from edgeinfer.converters import convert
+    from tests.tiny_hf import build_tiny_checkpoint
+
+    folder = build_tiny_checkpoint(tmp / "hf", family=family)
+    out = tmp / f"tiny-{family}-f32.gguf"
+    convert(folder, out, to="gguf", quant="f32")
+    return out
 
 
 if __name__ == "__main__":
