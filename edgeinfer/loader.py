@@ -68,12 +68,9 @@ def load(
     batch up to that many per forward pass): 1 (the default) to 256, or "auto": the most
     slots, up to 8, the budget holds with 2048 tokens each (or ``context_length``).
 
-    ``engine`` picks what runs a GGUF: "auto", "llama.cpp" (the file) or "onnxruntime" (its
-    exact ONNX transcode; catalog names only). With "auto" a catalog GGUF runs on its
-    transcode (the same blocks, built once) on the CPU when onnxruntime and onnx are installed
-    (half the time to first token, decode level, less slowdown beside other work), without
-    llama.cpp, and on ONNX Runtime's devices; llama.cpp runs the file on a GPU or when onnx
-    is missing (``routes.py``). ``model.info["route"]`` says which route was taken and why.
+    ``engine`` picks what runs a GGUF: "auto" (the rule in ``routes.py``: a catalog GGUF on a
+    CPU runs its exact ONNX transcode), "llama.cpp" (the file) or "onnxruntime" (the
+    transcode; catalog names only). ``model.info["route"]`` says which was taken and why.
 
     Memory is planned before anything is allocated (``model.info["memory_plan"]``):
     ``memory_budget`` (bytes or "512MB", "1.5GiB"; default: what the process uses now plus
@@ -86,12 +83,8 @@ def load(
     newer half of the conversation instead, and goes on. ``flash_attention=True`` trades
     bit-exact agreement with llama.cpp's defaults for speed on GGUF models.
     ``prompt_cache``: a folder (or True) keeping long prompts' KV on disk (``edgeinfer.state``).
-    ``kv_dtype``: the KV cache's element type. "auto" keeps the model's own: float32 in an
-    ONNX graph (a catalog GGUF's transcode is exact), float16 in llama.cpp. "float16" halves
-    the cache on the ONNX route (a catalog model's transcode is built once more, with
-    attention on halves; its agreement with float32 is in the README), "float32" doubles
-    llama.cpp's. An ONNX folder runs with the type its graph was built for: asking another
-    raises ``InvalidRequestError`` naming ``edgeinfer convert --kv-dtype``.
+    ``kv_dtype``: the KV cache's type; "auto" is the model's own (float32 in ONNX graphs,
+    float16 in llama.cpp), "float16" halves the ONNX route's (README "Memory").
     """
     cache = _check_options(context_overflow, allow_fallback, engine, prompt_cache)
     if parallel != "auto":

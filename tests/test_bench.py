@@ -22,6 +22,8 @@ from edgeinfer.bench.runner import ProgressLine, RunFailed
 from edgeinfer.bench.worker import timings
 from edgeinfer.errors import InvalidRequestError, ModelLoadError
 
+from .signals import sigint_default
+
 CLI = [sys.executable, "-m", "edgeinfer.cli", "bench"]
 TINY = ["-p", "8,16", "-n", "4", "-r", "2", "--warmup", "0", "--context-length", "64"]
 ONE_RUN = ["-p", "8", "-n", "4", "-r", "1", "--warmup", "0", "--context-length", "64"]
@@ -130,6 +132,7 @@ def test_ctrl_c_prints_what_was_measured(tiny_llama_gguf: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=sigint_default,
     )
     assert proc.stderr is not None
     seen = ""

@@ -14,6 +14,8 @@ import pytest
 
 import edgeinfer
 
+from .signals import sigint_default
+
 CLI = [sys.executable, "-m", "edgeinfer.cli"]
 
 
@@ -147,6 +149,7 @@ def test_ctrl_c_stops_the_reply_and_returns_to_the_prompt(default_gguf: Path) ->
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=sigint_default,
     )
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write("Write a very long story about a dragon.\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,18 @@ class SignalledInClose(FakeBackend):
         super().close()
 
 
+@pytest.fixture
+def ctrl_c_raises() -> Iterator[None]:
+    """Python's KeyboardInterrupt handler for SIGINT during the test (a suite started from a
+    background job runs with SIGINT ignored)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+@pytest.mark.usefixtures("ctrl_c_raises")
 def test_ctrl_c_during_close_is_raised_after_it() -> None:
     backend = SignalledInClose(signal.SIGINT, signal.SIGINT)
     model = Model(backend, name="fake", path=Path("fake"), model_format="fake")

@@ -30,6 +30,8 @@ from edgeinfer.converters.atomic import DiskFullError, atomic_output_file
 from edgeinfer.converters.sources.hf_config import read_model_config
 from edgeinfer.converters.sources.safetensors_reader import open_checkpoint
 
+from .signals import sigint_default
+
 pytest.importorskip("gguf", reason="needs the convert extra")
 
 FAST = settings(
@@ -536,7 +538,7 @@ def _start_cli(src: Path, out: Path, *extra: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "edgeinfer.cli", "convert", str(src), "-o", str(out),
          "--overwrite", *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=sigint_default,
     )  # fmt: skip
 
 

@@ -96,9 +96,14 @@ def test_batch_rows_take_the_penalties_and_refuse_them_out_of_range() -> None:
     from edgeinfer.batch.records import parse_line
 
     base = SamplingConfig()
-    row = parse_line(b'{"prompt": "a", "frequency_penalty": 1.5, "presence_penalty": -0.5}', 1, base)
+    row = parse_line(
+        b'{"prompt": "a", "frequency_penalty": 1.5, "presence_penalty": -0.5}', 1, base
+    )
     assert row.request is not None
-    assert (row.request.config.frequency_penalty, row.request.config.presence_penalty) == (1.5, -0.5)
+    assert (row.request.config.frequency_penalty, row.request.config.presence_penalty) == (
+        1.5,
+        -0.5,
+    )
     bad = parse_line(b'{"prompt": "a", "presence_penalty": 3}', 2, base)
     assert bad.request is None and bad.error is not None
     assert "presence_penalty" in bad.error["message"]
