@@ -157,3 +157,24 @@ def test_every_row_of_a_real_run_gets_its_agreement(tmp_path: Path) -> None:
     assert 0.0 <= rows["edgeinfer"]["top1_agreement"] <= 1.0
     assert rows["edgeinfer"]["decisive_top1_agreement"] == 1.0  # a correct graph
     assert BenchReport.from_dict(report).text().count("%") >= 2
+
+
+def test_optimums_row_gets_its_agreement(tiny_llama_onnx: Path, tiny_llama_gguf: Path) -> None:
+    """optimum's own runtime on its fp32 export of the checkpoint the f32 GGUF was written
+    from: the same numbers up to float rounding, so every decisive position agrees."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("optimum.onnxruntime")
+    common = ["-p", "16", "-n", "4", "-r", "1", "--warmup", "0", "--threads", "1",
+              "--context-length", "256", "--compare", "--agreement", "--json"]  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "edgeinfer.cli", "bench", str(tiny_llama_onnx), *common,
+         "--reference", str(tiny_llama_gguf)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    rows = {r["engine"]: r.get("agreement") for r in report["results"]}
+    assert rows.get("optimum") is not None, report.get("notes")
+    assert rows["optimum"]["decisive_top1_agreement"] == 1.0
+    assert rows["optimum"]["greedy_agreement_beyond_ties"] == 1.0
+    assert rows["edgeinfer"]["decisive_top1_agreement"] == 1.0

@@ -289,6 +289,38 @@ def _genai(spec: Spec, engine: Spec, prompts: list[list[int]], forced: list[list
     return out, "onnxruntime-genai:cpu"
 
 
+def _optimum(spec: Spec, engine: Spec, prompts: list[list[int]], forced: list[list[int]]) -> Any:
+    """optimum's ``ORTModelForCausalLM`` on its export: one forward over prompt and
+    continuation for the teacher-forced rows, its own ``generate`` for the greedy prefix."""
+    import onnxruntime as ort
+    import torch
+    from optimum.onnxruntime import ORTModelForCausalLM
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = spec["threads"]
+    options.inter_op_num_threads = 1
+    torch.set_num_threads(spec["threads"])
+    model = ORTModelForCausalLM.from_pretrained(
+        engine["model"], session_options=options, provider="CPUExecutionProvider"
+    )
+    out = []
+    with torch.no_grad():
+        for ids, f in zip(prompts, forced, strict=True):
+            tokens = torch.tensor([ids + f[:-1]])
+            logits = model(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits
+            rows = np.asarray(logits[0, len(ids) - 1 :], dtype=np.float32)
+            prompt = torch.tensor([ids])
+            generated = model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=max(len(f), 1),
+                do_sample=False,
+                pad_token_id=0,
+            )
+            out.append((rows, [int(t) for t in generated[0, len(ids) :]]))
+    return out, "CPUExecutionProvider"
+
+
 def _last_row(logits: Any) -> np.ndarray:
     array = np.asarray(logits, dtype=np.float32)
     return array.reshape(-1, array.shape[-1])[-1]
@@ -298,6 +330,7 @@ ENGINES: dict[str, Callable[..., Any]] = {
     "edgeinfer": _edgeinfer,
     "llama-cpp-python": _llama_cpp_python,
     "onnxruntime-genai": _genai,
+    "optimum": _optimum,
 }
 
 
