@@ -210,6 +210,7 @@ def _fitted(
         context_length=config.context_length,
         threads=config.resolved_threads,
         parallel=parallel,
+        **({"batches": HALF_KV_CPU_BATCHES} if _half_kv_on_cpu(source, shape, config) else {}),
     )
     # the backend re-fits the context to the resident set once it holds the weights
     fit = FitAtLoad(shape, memory, fixed_context=config.context_length is not None)
@@ -220,6 +221,21 @@ def _fitted(
         parallel=memory.parallel,
         fit_context=fit,
     )
+
+
+# onnxruntime's CPU attention on a float16 cache works in float workspaces that grow with
+# the prefill chunk: in chunks of 512 a prompt that fills the context peaked above the
+# float32 cache's peak, so such graphs prefill in chunks of 64 at most (README "Memory",
+# benchmarks/results/onnx_memory_long.json; tests/test_onnx_memory.py checks the plan).
+HALF_KV_CPU_BATCHES = (64, 32)
+
+
+def _half_kv_on_cpu(source: ModelSource, shape: Any, config: LoadConfig) -> bool:
+    """An ONNX graph with a float16 KV cache that will run on the CPU."""
+    if source.format != "onnx" or shape.kv_element_bytes != 2:
+        return False
+    wish = normalise_device(config.device)
+    return wish == "cpu" or (wish == "auto" and not devices(engines=()).gpus)
 
 
 def llama_cpp_installed() -> bool:

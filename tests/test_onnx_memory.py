@@ -43,12 +43,12 @@ def _peak_and_plan(model: Path, ctx: int) -> dict[str, Any]:
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def _native_folder(gguf: Path, out: Path, max_context: int) -> Path:
+def _native_folder(gguf: Path, out: Path, max_context: int, kv_dtype: str = "float32") -> Path:
     pytest.importorskip("onnx")
     from edgeinfer.converters.onnx.folder import write_gguf_folder
 
     out.mkdir()
-    write_gguf_folder(gguf, out, max_context=max_context)
+    write_gguf_folder(gguf, out, max_context=max_context, kv_dtype=kv_dtype)
     return out
 
 
@@ -58,10 +58,12 @@ def test_the_plan_covers_the_peak_of_a_tiny_model_on_both_backends(
     tiny_llama_gguf: Path, tmp_path: Path, ctx: int
 ) -> None:
     """A fresh process fills a fixed context and decodes: its peak resident set stays at or
-    under the plan's total, on llama.cpp and on the native ONNX graph of the same file."""
+    under the plan's total, on llama.cpp and on the native ONNX graph of the same file (with
+    a float32 and a float16 KV cache)."""
     pytest.importorskip("llama_cpp")
     folder = _native_folder(tiny_llama_gguf, tmp_path / "native", ctx)
-    for model in (tiny_llama_gguf, folder):
+    half = _native_folder(tiny_llama_gguf, tmp_path / "kv16", ctx, "float16")
+    for model in (tiny_llama_gguf, folder, half):
         out = _peak_and_plan(model, ctx)
         assert out["loaded"] is not None and out["completion"] > 0
         assert out["peak"] <= out["planned"], (model.name, out)
@@ -74,7 +76,8 @@ def test_the_plan_covers_the_peak_of_the_default_model_on_both_backends(
     default_gguf: Path, tmp_path: Path, ctx: int
 ) -> None:
     folder = _native_folder(default_gguf, tmp_path / "native", ctx)
-    for model in (default_gguf, folder):
+    half = _native_folder(default_gguf, tmp_path / "kv16", ctx, "float16")
+    for model in (default_gguf, folder, half):
         out = _peak_and_plan(model, ctx)
         assert out["peak"] <= out["planned"], (model.name, out)
 
