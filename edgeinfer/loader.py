@@ -226,7 +226,7 @@ def _fitted(
 # onnxruntime's CPU attention on a float16 cache works in float workspaces that grow with
 # the prefill chunk: in chunks of 512 a prompt that fills the context peaked above the
 # float32 cache's peak, so such graphs prefill in chunks of 64 at most (README "Memory",
-# benchmarks/results/onnx_memory_long.json; tests/test_onnx_memory.py checks the plan).
+# benchmarks/results/onnx_memory_long_*.json; tests/test_onnx_memory.py checks the plan).
 HALF_KV_CPU_BATCHES = (64, 32)
 
 
