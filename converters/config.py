@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgeinfer.errors import ConversionError
+from edgeinfer.manifest import KV_DTYPES
 
 __all__ = [
     "BUILDERS",
@@ -90,8 +91,8 @@ class ConvertConfig:
             )
         if self.head_bits is not None and (self.builder != "native" or self.quant != "int4"):
             raise ConversionError("--head-8bit applies to --quant int4 of the native builder")
-        if self.kv_dtype not in ("float32", "float16"):
-            raise ConversionError(f"--kv-dtype {self.kv_dtype!r}: use float32 or float16")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConversionError(f"--kv-dtype {self.kv_dtype!r}: use {' or '.join(KV_DTYPES)}")
         if self.kv_dtype != "float32" and (self.to != "onnx" or self.builder != "native"):
             raise ConversionError(
                 "--kv-dtype float16 is a graph of the native ONNX builder (--to onnx --builder "

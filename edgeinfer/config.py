@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from .busy import CpuShare, cpu_share
 from .errors import InvalidRequestError
+from .manifest import KV_DTYPES as MANIFEST_KV_DTYPES
 
 __all__ = ["DEFAULT_CONTEXT_LENGTH", "KV_DTYPES", "MAX_THREADS", "LoadConfig"]
 
@@ -16,7 +17,7 @@ DEFAULT_CONTEXT_LENGTH = 8192
 _MIN_CONTEXT_LENGTH = 16
 # llama.cpp's own limit (GGML_MAX_N_THREADS); more threads than that crashed the engine.
 MAX_THREADS = 512
-KV_DTYPES = ("auto", "float32", "float16")  # load(kv_dtype=...)
+KV_DTYPES = ("auto", *MANIFEST_KV_DTYPES)  # load(kv_dtype=...): "auto" or a graph's type
 
 
 @dataclass(frozen=True)

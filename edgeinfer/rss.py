@@ -21,8 +21,9 @@ __all__ = ["peak_rss", "release_free_heap", "resident_with_mapped_files"]
 def release_free_heap() -> None:
     """Give the heap's free pages back to the system (glibc's ``malloc_trim``); nothing
     elsewhere. Parsing a tokenizer or an ONNX graph frees tens of MB that glibc keeps
-    resident otherwise, and the peak a plan bounds grows on top of them (measured on the
-    default model: 307 -> 292 MB peak, ``benchmarks/results/onnx_memory_trim.json``)."""
+    resident otherwise, and the peak a plan bounds grows on top of them (the default model's
+    ONNX route at 2048: 328.5 MB peak before, ``benchmarks/results/onnx_memory_kv16.json``;
+    306.3 MB after, ``benchmarks/results/onnx_memory_trim.json``)."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

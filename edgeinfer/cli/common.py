@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..config import KV_DTYPES as LOAD_KV_DTYPES
 from ..errors import EdgeInferError, InvalidRequestError, short_repr
 
 EXIT_ERROR = 1
@@ -42,7 +43,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, metavar="N", help="compute threads (default: cores)")
     g.add_argument(
         "--kv-dtype",
-        choices=("auto", "float32", "float16"),
+        choices=LOAD_KV_DTYPES,
         default="auto",
         help="the KV cache's element type: auto (default: the model's own; float32 on an ONNX "
         "transcode, float16 on llama.cpp), or float16 for half the cache's memory (a catalog "

@@ -7,6 +7,8 @@ import argparse
 import sys
 from typing import Any
 
+from ..manifest import KV_DTYPES
+
 _DESCRIPTION = (
     "Convert SRC (a .gguf file or a Hugging Face folder with safetensors) into "
     "OUT: an ONNX model folder or one GGUF file. A GGUF SRC goes to ONNX through the native "
@@ -65,7 +67,7 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-dtype",
-        choices=("float32", "float16"),
+        choices=KV_DTYPES,
         default="float32",
         help="native builder: the graph's KV cache type; float16 halves the cache's memory "
         "(attention computed on halves; validated like any conversion)",

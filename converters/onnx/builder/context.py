@@ -8,6 +8,7 @@ import numpy as np
 
 from edgeinfer.errors import ConversionError
 from edgeinfer.gguf_file import TensorInfo
+from edgeinfer.manifest import KV_DTYPES  # the KV cache's element types (past/present)
 
 from .arch import Arch, Shape
 from .graph import Graph
@@ -16,7 +17,6 @@ from .tensors import TensorSource
 __all__ = ["KV_DTYPES", "QUANTS", "BuildContext", "BuildReport", "Quant", "check_kv_dtype"]
 
 QUANTS = ("keep", "int4", "int8", "fp32")  # keep: the GGUF's own blocks, exactly
-KV_DTYPES = ("float32", "float16")  # the KV cache's element type (past/present)
 
 
 @dataclass
