@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -10,6 +11,17 @@ from edgeinfer import catalog
 from edgeinfer.model import Model
 
 from .fakes import FakeBackend
+
+
+@pytest.fixture
+def ctrl_c_raises() -> Iterator[None]:
+    """Python's KeyboardInterrupt handler for SIGINT during the test (a suite started from a
+    background job runs with SIGINT ignored)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 @pytest.fixture

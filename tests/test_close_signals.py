@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,17 +28,6 @@ class SignalledInClose(FakeBackend):
         sum(range(100_000))  # bytecodes, where Python would run a handler
         self.finished = True
         super().close()
-
-
-@pytest.fixture
-def ctrl_c_raises() -> Iterator[None]:
-    """Python's KeyboardInterrupt handler for SIGINT during the test (a suite started from a
-    background job runs with SIGINT ignored)."""
-    old = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
 
 
 @pytest.mark.usefixtures("ctrl_c_raises")

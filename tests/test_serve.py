@@ -277,7 +277,9 @@ def test_health_reports_the_model_and_its_memory(server: Server) -> None:
 
 def test_requests_are_logged_one_line_each(server: Server) -> None:
     server.client().completions.create(model=MODEL_ID, prompt="Hello", max_tokens=3, temperature=0)
-    time.sleep(0.2)
+    deadline = time.monotonic() + 30  # the access line follows the reply
+    while time.monotonic() < deadline and not server.lines(r"path=/v1/completions status=200"):
+        time.sleep(0.05)
     line = server.lines(r"path=/v1/completions status=200 .*prompt_tokens=")[-1]
     assert "ttft_ms=" in line and "decode_tok_s=" in line
 

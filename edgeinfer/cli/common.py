@@ -6,13 +6,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..config import KV_DTYPES as LOAD_KV_DTYPES
 from ..errors import EdgeInferError, InvalidRequestError, short_repr
+
+logger = logging.getLogger(__name__)
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
@@ -236,20 +240,65 @@ def configure_logging(args: argparse.Namespace) -> None:
         logging.getLogger("edgeinfer.runtimes.llama_cpp.engine").setLevel(logging.WARNING)
 
 
+class _CtrlC:
+    """Ctrl-C as Python's own handler raises it, remembering that it came: native code
+    (numpy's ``tofile``, for one) can turn the KeyboardInterrupt raised inside it into
+    another exception, which is still the user's Ctrl-C."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+
+def _watch_ctrl_c() -> _CtrlC | None:
+    """Install the remembering handler where Python's default one is (not where SIGINT is
+    ignored, as in a background job, and not outside the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return None
+    watcher = _CtrlC()
+    signal.signal(signal.SIGINT, watcher)
+    return watcher
+
+
 def run_command(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run a command: every EdgeInferError becomes one line on stderr and exit status 1
     (a traceback with --debug), Ctrl-C exit status 130."""
+    ctrl_c = _watch_ctrl_c()
+    try:
+        return _run(command, args, ctrl_c)
+    finally:
+        if ctrl_c is not None and signal.getsignal(signal.SIGINT) is ctrl_c:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _run(
+    command: Callable[[argparse.Namespace], int], args: argparse.Namespace, ctrl_c: _CtrlC | None
+) -> int:
     try:
         return command(args)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
     except EdgeInferError as exc:
+        if ctrl_c is not None and ctrl_c.seen and not args.debug:
+            print(file=sys.stderr)
+            return EXIT_INTERRUPTED
         if args.debug:
             raise
         print(f"edgeinfer: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return EXIT_INTERRUPTED
     except BrokenPipeError:  # stdout closed early (| head): not an error of ours
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the exit-time flush does not fail again
         return 0
+    except Exception:
+        if ctrl_c is not None and ctrl_c.seen and not args.debug:
+            logger.debug("interrupted", exc_info=True)
+            print(file=sys.stderr)
+            return EXIT_INTERRUPTED
+        raise
