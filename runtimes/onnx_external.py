@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import mmap
 import os
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edgeinfer.bounded_json import open_regular
 from edgeinfer.errors import ModelLoadError
 
 __all__ = ["GraphFacts", "external_data_locations", "read_graph_facts"]
@@ -188,23 +188,12 @@ class _Walker:
 
 
 def _open_regular(path: Path) -> int:
-    """A descriptor of ``path``, known to be a non-empty regular file: opened non-blocking so
-    a FIFO in its place cannot hang the load, and checked on the descriptor itself."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError as exc:
-        raise ModelLoadError(f"{path} is missing; the model folder is incomplete") from exc
-    except OSError as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    info = os.fstat(fd)
-    problem = None
-    if not stat.S_ISREG(info.st_mode):
-        problem = f"{path} is not a regular file"
-    elif info.st_size == 0:
-        problem = f"{path} is empty; re-convert the model"
-    if problem:
+    """A descriptor of ``path``, known to be a non-empty regular file (``open_regular``'s
+    checks, and a graph of no bytes is a broken conversion)."""
+    fd = open_regular(path, error=ModelLoadError, what="the model file")
+    if os.fstat(fd).st_size == 0:
         os.close(fd)
-        raise ModelLoadError(problem)
+        raise ModelLoadError(f"{path} is empty; re-convert the model")
     return fd
 
 
