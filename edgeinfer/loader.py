@@ -92,10 +92,8 @@ def load(
     config = LoadConfig(device=device, context_length=context_length, threads=threads,
                         flash_attention=flash_attention, kv_dtype=kv_dtype)  # fmt: skip
     named = resolve(model)
-    if named.format == "encoder":  # an embedding model (embedding_load.py): no KV cache, slots
-        return load_encoder(named, config, memory_budget, allow_fallback)
-    if named.format == "gguf" and is_embedding_gguf(named.header):  # llama.cpp's embedding mode
-        return load_gguf_embedding(named, config, memory_budget)
+    if _is_embedding_model(named):
+        return _load_embedding_model(named, config, memory_budget, allow_fallback)
     source, route, config = _routed(model, named, config, memory_budget, parallel, engine)
     backend, chain = _open(source, config, allow_fallback)
     return _model(backend, source, chain, config, route, context_overflow, cache)
@@ -152,6 +150,25 @@ def _routed(
 
 
 _ENGINES = {"gguf": "llama_cpp", "onnx": "onnxruntime"}  # the engine each format runs on
+
+
+def _is_embedding_model(named: ModelSource) -> bool:
+    return named.format == "encoder" or (named.format == "gguf" and is_embedding_gguf(named.header))
+
+
+def _load_embedding_model(
+    named: ModelSource, config: LoadConfig, memory_budget: int | str | None, allow_fallback: bool
+) -> Model:
+    """An encoder folder (embedding_load.py) or an encoder GGUF in llama.cpp's embedding mode:
+    no KV cache, so a cache type asked for is a mistake, not something to ignore."""
+    if config.kv_dtype != "auto":
+        raise InvalidRequestError(
+            f"kv_dtype={config.kv_dtype!r}: {named.name} is an embedding model and has no KV "
+            "cache; leave kv_dtype at 'auto' (no --kv-dtype)"
+        )
+    if named.format == "encoder":
+        return load_encoder(named, config, memory_budget, allow_fallback)
+    return load_gguf_embedding(named, config, memory_budget)
 
 
 def _source_for(named: ModelSource, route: Route, kv_dtype: str) -> ModelSource:

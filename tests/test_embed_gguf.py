@@ -135,6 +135,14 @@ def test_a_hostile_header_ends_the_cli_with_one_clear_line(
     assert len(lines) == 1 and words in lines[0], run.stderr
 
 
+def test_a_kv_cache_type_on_an_embedding_gguf_is_refused(tiny_pair: tuple[Path, Path]) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "edgeinfer", "embed", str(tiny_pair[1]), "--kv-dtype", "float16"],
+        input="hello\n", capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 1 and "has no KV cache" in run.stderr, run.stderr
+
+
 # -- the real model ----------------------------------------------------------------------------
 
 

@@ -143,6 +143,9 @@ def test_generate_on_an_embedding_model_and_embed_on_a_generator_are_clear_error
         with pytest.raises(InvalidRequestError, match="embedding model"):
             model.generate_many(["hello"])
         assert model.embed("hello").shape == (1, 32)  # still usable
+    for kv_dtype in ("float16", "float32"):  # an encoder has no KV cache to type
+        with pytest.raises(InvalidRequestError, match="no KV cache"):
+            edgeinfer.load(tmp_path / "bert", threads=1, kv_dtype=kv_dtype)
     generator = Model(FakeBackend(), name="fake", path=Path("fake"), model_format="gguf")
     with pytest.raises(NotAnEmbeddingModelError, match="cannot embed"):
         generator.embed(["hello"])
