@@ -57,3 +57,21 @@ def test_where_sigint_is_ignored_it_stays_ignored() -> None:
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+@pytest.mark.usefixtures("ctrl_c_raises")
+def test_a_bug_long_after_a_handled_ctrl_c_is_still_a_bug(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr("edgeinfer.cli.common.time.monotonic", lambda: clock[0])
+
+    def command(_args: argparse.Namespace) -> int:
+        try:  # chat stops a reply on Ctrl-C and goes on
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(range(100_000))
+        except KeyboardInterrupt:
+            pass
+        clock[0] += 60
+        raise TypeError("a bug a minute later")
+
+    with pytest.raises(TypeError, match="a minute later"):
+        run_command(command, ARGS)

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -245,12 +246,20 @@ class _CtrlC:
     (numpy's ``tofile``, for one) can turn the KeyboardInterrupt raised inside it into
     another exception, which is still the user's Ctrl-C."""
 
+    WINDOW_S = 10.0  # an exception this soon after a Ctrl-C is taken as its unwinding
+
     def __init__(self) -> None:
-        self.seen = False
+        self.at: float | None = None
 
     def __call__(self, signum: int, frame: Any) -> None:
-        self.seen = True
+        self.at = time.monotonic()
         raise KeyboardInterrupt
+
+    @property
+    def seen(self) -> bool:
+        """A Ctrl-C came just now (not one that a command handled minutes ago, as chat's
+        stop-the-reply does)."""
+        return self.at is not None and time.monotonic() - self.at < self.WINDOW_S
 
 
 def _watch_ctrl_c() -> _CtrlC | None:
