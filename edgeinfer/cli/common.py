@@ -294,8 +294,7 @@ def _run(
         print(file=sys.stderr)
         return EXIT_INTERRUPTED
     except EdgeInferError as exc:
-        if ctrl_c is not None and ctrl_c.seen and not args.debug:
-            print(file=sys.stderr)
+        if _unwinding(ctrl_c, args):
             return EXIT_INTERRUPTED
         if args.debug:
             raise
@@ -306,8 +305,16 @@ def _run(
         os.dup2(devnull, sys.stdout.fileno())  # so the exit-time flush does not fail again
         return 0
     except Exception:
-        if ctrl_c is not None and ctrl_c.seen and not args.debug:
-            logger.debug("interrupted", exc_info=True)
-            print(file=sys.stderr)
+        if _unwinding(ctrl_c, args):
             return EXIT_INTERRUPTED
         raise
+
+
+def _unwinding(ctrl_c: _CtrlC | None, args: argparse.Namespace) -> bool:
+    """Whether the exception being handled is a Ctrl-C that native code turned into another
+    (never with --debug, which shows every traceback); its traceback goes to the debug log."""
+    if ctrl_c is None or not ctrl_c.seen or args.debug:
+        return False
+    logger.debug("interrupted", exc_info=True)
+    print(file=sys.stderr)
+    return True
