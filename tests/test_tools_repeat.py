@@ -5,10 +5,13 @@ tends to write it again and again until the length limit (the default model did,
 from __future__ import annotations
 
 import json
+import random
 import threading
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edgeinfer.generation import Chunk, TokenStream
 from edgeinfer.model import Model
@@ -29,7 +32,13 @@ WEATHER_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "%s"}}<
 
 
 def keys(calls: Any) -> list[tuple[str, str]]:
-    return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    """Each call's name and its arguments as canonical JSON (keys sorted): two calls with the
+    same arguments written in another key order have the same key."""
+    return [(c["function"]["name"], _canonical(c["function"]["arguments"])) for c in calls]
+
+
+def _canonical(arguments: str) -> str:
+    return json.dumps(json.loads(arguments), sort_keys=True)
 
 
 def test_the_forcing_grammar_ends_after_any_call_and_holds_at_most_the_bound() -> None:
@@ -47,12 +56,14 @@ def test_the_forcing_grammar_ends_after_any_call_and_holds_at_most_the_bound() -
     assert allowed is None or (not allowed[ord("\n")] and allowed[EOS])
 
 
-def scripted(pieces: list[str], finish: str = "stop") -> tuple[ToolCallStream, threading.Event]:
+def scripted(
+    pieces: list[str], finish: str = "stop", tools: Any = TOOLS, fmt: str = "generic"
+) -> tuple[ToolCallStream, threading.Event]:
     chunks = [Chunk(p, (i,)) for i, p in enumerate(pieces)]
     chunks.append(Chunk("", (), finish, STATS))  # type: ignore[arg-type]
     cancel = threading.Event()
     inner = TokenStream(iter(chunks), cancel)
-    return ToolCallStream(inner, check_tools(TOOLS), FORMATS["generic"]), cancel
+    return ToolCallStream(inner, check_tools(tools), FORMATS[fmt]), cancel
 
 
 def test_a_repeated_call_ends_the_reply_and_is_dropped() -> None:
@@ -65,6 +76,77 @@ def test_a_repeated_call_ends_the_reply_and_is_dropped() -> None:
     assert cities == ["Oslo", "Lima"]
     assert [c for chunk in chunks for c in chunk.tool_calls] == list(stream.result.tool_calls)
     assert "".join(chunk.text for chunk in chunks) == ""  # nothing after the repeat leaks
+
+
+NOTE = {"type": "function", "function": {"name": "note", "parameters": {"type": "object"}}}
+OSLO_2 = '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}'
+OSLO_2_AGAIN = '{"arguments": {"days":2,  "city":"\\u004fslo"}, "name": "get_weather"}'
+
+
+def test_the_same_arguments_in_another_key_order_are_a_repeat() -> None:
+    """Keys in another order, other spacing, a character escaped: the same call."""
+    assert json.loads(OSLO_2_AGAIN) == json.loads(OSLO_2) and OSLO_2_AGAIN != OSLO_2
+    lima = WEATHER_CALL % "Lima"
+    pieces = [f"<tool_call>{OSLO_2}</tool_call>", "\n", lima, "\n"]
+    stream, cancel = scripted([*pieces, f"<tool_call>{OSLO_2_AGAIN}</tool_call>", "\n", lima])
+    result = stream.collect()
+    assert cancel.is_set() and result.finish_reason == "tool_calls"
+    assert result.tool_call_error is None
+    assert [json.loads(c["function"]["arguments"]) for c in result.tool_calls] == [
+        {"city": "Oslo", "days": 2},
+        {"city": "Lima"},
+    ]
+
+
+def test_a_whole_reply_block_drops_a_reordered_repeat() -> None:
+    """Mistral's one block of calls: the second, reordered, copy of the first is dropped."""
+    stream, _ = scripted([f"[TOOL_CALLS][{OSLO_2}, ", f"{OSLO_2_AGAIN}]"], fmt="mistral")
+    result = stream.collect()
+    assert result.finish_reason == "tool_calls" and len(result.tool_calls) == 1
+    assert json.loads(result.tool_calls[0]["function"]["arguments"]) == {"city": "Oslo", "days": 2}
+
+
+json_leaves = st.none() | st.booleans() | st.integers(-9, 9) | st.text(max_size=4)
+json_objects = st.recursive(
+    st.dictionaries(st.text(max_size=3), json_leaves, max_size=4),
+    lambda inner: st.dictionaries(
+        st.text(max_size=3), inner | st.lists(inner, max_size=3), max_size=4
+    ),
+    max_leaves=12,
+)
+
+
+def _shuffled(value: Any, rng: random.Random) -> Any:
+    """``value`` with the keys of every object in another order."""
+    if isinstance(value, dict):
+        items = list(value.items())
+        rng.shuffle(items)
+        return {k: _shuffled(v, rng) for k, v in items}
+    if isinstance(value, list):
+        return [_shuffled(v, rng) for v in value]
+    return value
+
+
+@settings(max_examples=150, deadline=None)
+@given(json_objects, json_objects, st.integers(0, 2**32 - 1), st.booleans())
+def test_any_arguments_repeat_whatever_their_key_order(
+    first: dict[str, Any], second: dict[str, Any], seed: int, ascii_only: bool
+) -> None:
+    """Two different calls, then the first again with its keys shuffled at every level and
+    written another way: the reply holds the two and ends there."""
+    rng = random.Random(seed)
+
+    def call(arguments: dict[str, Any]) -> str:
+        body = {"name": "note", "arguments": arguments}
+        text = json.dumps(body, ensure_ascii=ascii_only, indent=rng.choice([None, 1]))
+        return f"<tool_call>{text}</tool_call>"
+
+    pieces = [call(first), call(second), call(_shuffled(first, rng)), call(second)]
+    stream, cancel = scripted(pieces, tools=[NOTE])
+    result = stream.collect()
+    want = [first] if first == second else [first, second]
+    assert [json.loads(c["function"]["arguments"]) for c in result.tool_calls] == want
+    assert cancel.is_set() and result.finish_reason == "tool_calls"
 
 
 def test_a_length_ending_keeps_its_complete_calls_and_reports_the_cut_one() -> None:
