@@ -7,8 +7,17 @@ candidate scales around it (the extreme mapped to ``-half ± a fraction``, and t
 positive integer, which the asymmetric range ``[-half, half - 1]`` makes a different grid);
 for each candidate the integers are rounded, and the scale is then refitted to them by least
 squares (``d = Σ w x q / Σ w q²``). The candidate whose refit leaves the smallest weighted
-squared error ``Σ w (x - d q)²`` wins. Round-to-nearest is one of the candidates and the refit
-never raises a candidate's error, so every block's error is at most round-to-nearest's.
+squared error ``Σ w (x - d q)²`` wins.
+
+The winner's scale is then stored in float32, which moves it: by one part in 10⁷ for a normal
+scale, by far more for a subnormal one (a block near float32's smallest normal value has a
+scale 8 to 128 times smaller, where float32 keeps fewer bits). So the integers are rounded
+again against the stored scale (the best integers for it), a scale stored as subnormal or zero
+also tries its float32 neighbours, and each block's error with its stored scale is compared, in
+float64, with round-to-nearest's: round-to-nearest is kept wherever the search is not strictly
+better. Every block's error is therefore at most round-to-nearest's, whatever its magnitude.
+A scale whose integers would dequantize past float32's largest value (a block near it) counts
+as infinitely bad: round-to-nearest's never does, its extreme maps back onto itself.
 
 The blocks come out as ``Blocks``: unsigned ``u = q + half`` under MatMulNBits' default zero
 point, so the graph runs on its fast path (no zero-point input). Plain numpy: the builder
@@ -30,6 +39,7 @@ __all__ = ["Blocks", "block_errors", "quantize_rtn", "quantize_searched"]
 _NEGATIVE = np.linspace(-1.0, 1.0, 11)  # -(half + t)
 _POSITIVE = np.linspace(-1.5, 0.45, 7)  # +(half - 1 + t)
 _CHUNK = 2048  # blocks per pass: the working arrays stay in cache
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -66,17 +76,14 @@ def quantize_searched(
     ``[n, k]``, non-negative) weighs each element's squared error; None weighs them equally."""
     n, k = _checked(w, block_size)
     blocks = np.ascontiguousarray(w, np.float32).reshape(-1, block_size)
-    weights = None
-    if importance is not None:
-        weights = np.broadcast_to(np.asarray(importance, np.float32), (n, k)).reshape(
-            -1, block_size
-        )
+    weights = None if importance is None else _checked_importance(importance, n, k, block_size)
     q = np.empty(blocks.shape, np.int8)
     scales = np.empty(len(blocks), np.float32)
     for start in range(0, len(blocks), _CHUNK):
         part = slice(start, start + _CHUNK)
+        x = blocks[part].astype(np.float64)
         chunk_w = None if weights is None else weights[part].astype(np.float64)
-        q[part], scales[part] = _search(blocks[part].astype(np.float64), bits, chunk_w)
+        q[part], scales[part] = _settled(x, _search(x, bits, chunk_w), bits, chunk_w)
     return _blocks(q, scales, n, k, bits, block_size)
 
 
@@ -84,12 +91,9 @@ def quantize_rtn(w: np.ndarray, bits: int, block_size: int = 32) -> Blocks:
     """Round-to-nearest: the extreme maps to ``-half``, the rest round against it (the
     baseline the search is measured against)."""
     n, k = _checked(w, block_size)
-    blocks = np.ascontiguousarray(w, np.float32).reshape(-1, block_size)
-    half = 1 << (bits - 1)
-    extreme = _extreme(blocks)
-    scales = extreme / -half
-    inverse = np.divide(1.0, scales, out=np.zeros_like(scales), where=scales != 0)
-    q = np.clip(np.rint(blocks * inverse[:, None]), -half, half - 1)
+    x = np.ascontiguousarray(w, np.float32).reshape(-1, block_size).astype(np.float64)
+    scales = _rtn_scales(x, bits)
+    q, _ = _fitted(x, scales, bits, None)
     return _blocks(q, scales, n, k, bits, block_size)
 
 
@@ -130,14 +134,27 @@ def _checked(w: np.ndarray, block_size: int) -> tuple[int, int]:
     return n, k
 
 
+def _checked_importance(importance: np.ndarray, n: int, k: int, block_size: int) -> np.ndarray:
+    """``importance`` as one float64 weight per element, blocks along K."""
+    weights = np.asarray(importance, np.float64)
+    if weights.shape not in ((k,), (n, k)) or not np.isfinite(weights).all():
+        raise ConversionError(
+            f"importance must be finite weights of shape [{k}] or [{n}, {k}], not "
+            f"{weights.shape}: recompute them from the calibration activations"
+        )
+    if (weights < 0).any():
+        raise ConversionError("importance weights must be non-negative: recompute them")
+    return np.broadcast_to(weights, (n, k)).reshape(-1, block_size)
+
+
 def _extreme(blocks: np.ndarray) -> np.ndarray:
     """Each block's value of largest magnitude, with its sign."""
     at = np.abs(blocks).argmax(axis=1)[:, None]
     return np.take_along_axis(blocks, at, axis=1)[:, 0]
 
 
-def _search(x: np.ndarray, bits: int, weights: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """The best (integers, scale) per block of ``x`` [m, block] over the candidates, in
+def _search(x: np.ndarray, bits: int, weights: np.ndarray | None) -> np.ndarray:
+    """The best refitted scale per block of ``x`` [m, block] over the candidates, in
     float64: at 8 bits the candidates' errors differ by less than float32 resolves."""
     half = 1 << (bits - 1)
     extreme = _extreme(x)
@@ -145,7 +162,6 @@ def _search(x: np.ndarray, bits: int, weights: np.ndarray | None) -> tuple[np.nd
     wx = x if weights is None else weights * x
     best_gain = np.full(len(x), -1.0)
     best_d = np.zeros(len(x))
-    best_q = np.zeros_like(x)
     q = np.empty_like(x)
     qq = np.empty_like(x)
     for target in _targets(half):
@@ -161,8 +177,71 @@ def _search(x: np.ndarray, bits: int, weights: np.ndarray | None) -> tuple[np.nd
         better = gain > best_gain
         best_gain[better] = gain[better]
         best_d[better] = d[better]
-        np.copyto(best_q, q, where=better[:, None])
-    return best_q.astype(np.int8), best_d
+    return best_d
+
+
+def _settled(
+    x: np.ndarray, d: np.ndarray, bits: int, weights: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Integers and float32 scales for the blocks ``x`` from the searched float64 scales
+    ``d``: the integers re-rounded against the stored scale, a subnormal or zero scale's
+    float32 neighbours tried, and round-to-nearest kept unless the search is strictly better
+    (errors in float64)."""
+    scales = d.astype(np.float32)  # |d| stays below the block's largest value: finite
+    q, error = _fitted(x, scales, bits, weights)
+    best = (scales, q, error)
+    coarse = np.flatnonzero(np.abs(scales) < np.finfo(np.float32).tiny)
+    if len(coarse):
+        for toward in (-1.0, 1.0):
+            near = np.nextafter(scales[coarse], np.float32(toward))
+            _keep_better(x, coarse, near, bits, weights, best, ties=False)
+    every = np.arange(len(x))
+    _keep_better(x, every, _rtn_scales(x, bits), bits, weights, best, ties=True)
+    return q, scales
+
+
+def _keep_better(
+    x: np.ndarray,
+    rows: np.ndarray,
+    candidate: np.ndarray,
+    bits: int,
+    weights: np.ndarray | None,
+    best: tuple[np.ndarray, np.ndarray, np.ndarray],
+    *,
+    ties: bool,
+) -> None:
+    """Give the blocks ``rows`` the float32 scales ``candidate`` where their error is lower
+    (or equal, with ``ties``) than in ``best`` = (scales, integers, errors), in place."""
+    scales, q, error = best
+    got_q, got_error = _fitted(x[rows], candidate, bits, None if weights is None else weights[rows])
+    won = got_error <= error[rows] if ties else got_error < error[rows]
+    at = rows[won]
+    scales[at], q[at], error[at] = candidate[won], got_q[won], got_error[won]
+
+
+def _rtn_scales(x: np.ndarray, bits: int) -> np.ndarray:
+    """Round-to-nearest's float32 scale per block: the extreme maps to ``-half``."""
+    return (_extreme(x) / -(1 << (bits - 1))).astype(np.float32)
+
+
+def _fitted(
+    x: np.ndarray, scales: np.ndarray, bits: int, weights: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The nearest integers in range to ``x / scale`` per block (0 for a zero scale), and
+    each block's weighted squared error with them, both from float64: ``1 / scale`` of a
+    subnormal float32 scale is past float32's range. A block whose ``scale * q`` passes
+    float32's largest value (the runtime would compute infinity) has an infinite error."""
+    half = 1 << (bits - 1)
+    d = scales.astype(np.float64)[:, None]
+    q = np.divide(x, d, out=np.zeros_like(x), where=d != 0)
+    np.clip(np.rint(q, out=q), -half, half - 1, out=q)
+    approx = d * q
+    diff = (x - approx) ** 2
+    if weights is not None:
+        diff = diff * weights
+    error = diff.sum(axis=1)
+    error[(np.abs(approx) > _FLOAT32_MAX).any(axis=1)] = np.inf
+    return q.astype(np.int8), error
 
 
 def _targets(half: int) -> list[float]:
