@@ -1,4 +1,5 @@
-"""Every measured figure in the READMEs comes from a results file named beside it.
+"""Every measured figure in the READMEs and the docs/ pages comes from a results file named
+beside it.
 
 A figure is a number with a unit of measure (``x``/``x``, ``%``, ``tok/s``, ``t/s``,
 ``texts/s``, ``MB``/``MiB``/``GB``/``GiB``, ``ms``/``µs``/``s``) in prose or a table cell, or
@@ -10,11 +11,11 @@ that stores a fraction; ``MB`` also matches bytes, ``ms`` also seconds).
 
 A figure also counts as sourced when it is a column's total over sibling records of the
 file (a profile's sum), a ratio (x, %) of two figures shown in the same section, or a
-difference of two figures of its own block; only the README's own figures are combined, so a
+difference of two figures of its own block; only the page's own figures are combined, so a
 stale ratio cannot match two unrelated numbers of a large file by chance.
 
 Figures that are not measurements (a setting, a limit) are listed in NOT_MEASURED with the
-reason, or marked in the README: ``<!-- illustrative: why -->`` anywhere in a block exempts
+reason, or marked in the page: ``<!-- illustrative: why -->`` anywhere in a block exempts
 that block, and ``<!-- source: results/x.json -->`` names the file where the prose does not.
 TO_SOURCE lists the figures still without a file (issue 28); it only shrinks. Numbers inside
 code (fenced or `inline`) are not figures: they are commands and settings.
@@ -34,7 +35,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-READMES = (ROOT / "README.md", ROOT / "benchmarks" / "README.md")
+# the pages checked: both READMEs and every page of the docs site
+READMES = (
+    ROOT / "README.md",
+    ROOT / "benchmarks" / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+)
 
 _NUM = r"[+\-\u2212]?\d[\d,]*(?:\.\d+)?"
 _UNIT = (
@@ -54,29 +60,32 @@ _SECONDS = {"s": 1.0, "ms": 1e-3, "\u00b5s": 1e-6, "minutes": 60.0}
 _BYTE_UNITS = {"MB": 1e6, "MiB": 2**20, "GB": 1e9, "GiB": 2**30, "KB": 1e3, "kB": 1e3, "KiB": 1024}
 
 
-# Figures that are settings or limits, not measurements: (README, figure as written without
+# Figures that are settings or limits, not measurements: (page, figure as written without
 # spaces, a piece of its line) -> why.
 NOT_MEASURED = {
     ("README.md", "98MB", "from the package registry"): "the catalog file's size on the index",
-    ("README.md", "98MB", "GGUF Q4_1, 98 MB"): "the catalog file's size on the index",
-    ("README.md", "1MiB", ""): "an input limit",
-    ("README.md", "2s", "RENDER_DEADLINE_S"): "a limit (a constant)",
-    ("README.md", "16x", "that limit"): "a limit",
-    ("README.md", "512KiB", "tools"): "an input limit",
-    ("README.md", "75%", "plans within 75%"): "a setting",
-    ("README.md", "512MiB", "to the OS"): "a setting",
-    ("README.md", "8MiB", "3,000"): "the size of a hostile input that was tried",
-    ("README.md", "64KiB", ""): "an input limit",
-    ("README.md", "8KiB", "patterns"): "an input limit",
-    ("README.md", "256MiB", "stack"): "a setting",
+    ("docs/index.md", "98MB", "from the package registry"): "the catalog file's size on the index",
+    ("docs/index.md", "98MB", "GGUF Q4_1, 98 MB"): "the catalog file's size on the index",
+    ("docs/strangers.md", "1MiB", ""): "an input limit",
+    ("docs/batch.md", "1MiB", ""): "an input limit",
+    ("docs/apps.md", "1MiB", ""): "an input limit",
+    ("docs/strangers.md", "2s", "RENDER_DEADLINE_S"): "a limit (a constant)",
+    ("docs/strangers.md", "16x", "that limit"): "a limit",
+    ("docs/tools.md", "512KiB", "tools"): "an input limit",
+    ("docs/apps.md", "75%", "plans within 75%"): "a setting",
+    ("docs/apps.md", "512MiB", "to the OS"): "a setting",
+    ("docs/structured-output.md", "8MiB", "3,000"): "the size of a hostile input that was tried",
+    ("docs/structured-output.md", "64KiB", ""): "an input limit",
+    ("docs/structured-output.md", "8KiB", "patterns"): "an input limit",
+    ("docs/structured-output.md", "256MiB", "stack"): "a setting",
     ("benchmarks/README.md", "95%", "context to 95%"): "a setting (--fill)",
-    ("README.md", "113MB", "fp32 embedding"): "computed: 49,152 x 576 float32 weights",
-    ("README.md", "8", "8-bit for 5- and 6-bit"): "bit widths in a description",
-    ("README.md", "5", "8-bit for 5- and 6-bit"): "bit widths in a description",
-    ("README.md", "6", "8-bit for 5- and 6-bit"): "bit widths in a description",
+    ("docs/memory.md", "113MB", "fp32 embedding"): "computed: 49,152 x 576 float32 weights",
+    ("docs/converting.md", "8", "8-bit for 5- and 6-bit"): "bit widths in a description",
+    ("docs/converting.md", "5", "8-bit for 5- and 6-bit"): "bit widths in a description",
+    ("docs/converting.md", "6", "8-bit for 5- and 6-bit"): "bit widths in a description",
 }
 # Figures still without a results file (issue 28): each is being sourced or removed. This
-# list only shrinks; a figure added to a README must come with its file.
+# list only shrinks; a figure added to a page must come with its file.
 TO_SOURCE: set[tuple[str, str, str]] = set()  # every figure has its file now
 
 
@@ -273,7 +282,7 @@ def derived(figure: Figure, block: Block) -> bool:
     """A ratio (x, %) of two figures shown in the same section, or a difference of two in the
     same block (same unit), each of them checked on its own.
 
-    Only the README's own figures are combined, not every number of a results file, so that
+    Only the page's own figures are combined, not every number of a results file, so that
     a stale ratio cannot match two unrelated numbers by chance.
     """
     (value, half), *_ = _candidates(figure)
@@ -326,7 +335,7 @@ def test_every_excuse_still_names_a_figure() -> None:
                     if key[0] == where and key[1] == figure.text + figure.unit and key[2] in line:
                         seen.add(key)
     stale = (set(NOT_MEASURED) | TO_SOURCE) - seen
-    assert not stale, f"no longer in the README, remove: {sorted(stale)}"
+    assert not stale, f"no longer on its page, remove: {sorted(stale)}"
 
 
 def test_the_check_finds_a_wrong_figure() -> None:

@@ -1,5 +1,6 @@
-"""README.md runs as written: every fenced Python snippet and every `edgeinfer ...` line of a
-shell fence is run, offline, so the README cannot drift from the product.
+"""README.md and the docs/ pages run as written: every fenced Python snippet and every
+`edgeinfer ...` line of a shell fence is run, offline, so the pages cannot drift from the
+product.
 
 Convention: the HTML comment lines just above a fence (blank lines between are allowed) say
 how to run it; a fence without one runs as it is.
@@ -18,7 +19,7 @@ with ``edgeinfer`` are run (others -- pip, curl, systemctl -- are setup), each a
 ``python -m edgeinfer`` with its arguments split as the shell would (no pipes or
 substitutions are allowed in such a line). The snippets use the default model, so the tests
 are marked ``model``; a snippet must exit 0 and print no traceback. Outputs are not compared
-with what the README shows: the README shows what one machine printed.
+with what a page shows: it shows what one machine printed.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+# the pages whose snippets run: the README and every page of the docs site
+PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 _RUN_LANGS = ("python", "sh", "bash")
 _MARK = re.compile(r"<!--\s*snippet:\s*(not-run|with-server|tiny-gguf)\s*(.*?)\s*-->")
 _TIMEOUT_S = 600  # one snippet; the machine may be loaded
@@ -44,6 +47,7 @@ _TIMEOUT_S = 600  # one snippet; the machine may be loaded
 
 @dataclass(frozen=True)
 class Fence:
+    page: str  # the page's path from the repository root
     line: int  # 1-based line of the opening ```
     lang: str
     body: str
@@ -52,10 +56,10 @@ class Fence:
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}:{self.lang}"
+        return f"{self.page}:{self.line}:{self.lang}"
 
 
-def fences(text: str) -> list[Fence]:
+def fences(text: str, page: str = "README.md") -> list[Fence]:
     lines = text.split("\n")
     out: list[Fence] = []
     i = 0
@@ -68,7 +72,8 @@ def fences(text: str) -> list[Fence]:
         while end < len(lines) and not lines[end].startswith("```"):
             end += 1
         mark, arg = _mark_above(lines, i)
-        out.append(Fence(i + 1, opening.group(1), "\n".join(lines[i + 1 : end]), mark, arg))
+        body = "\n".join(lines[i + 1 : end])
+        out.append(Fence(page, i + 1, opening.group(1), body, mark, arg))
         i = end + 1
     return out
 
@@ -100,7 +105,12 @@ def cli_lines(body: str) -> list[list[str]]:
     return commands
 
 
-ALL = [f for f in fences(README.read_text(encoding="utf-8")) if f.lang in _RUN_LANGS]
+ALL = [
+    f
+    for page in PAGES
+    for f in fences(page.read_text(encoding="utf-8"), page.relative_to(ROOT).as_posix())
+    if f.lang in _RUN_LANGS
+]
 # what runs: Python fences, and shell fences with an edgeinfer line (curl, pip, ... are setup)
 RUN = [f for f in ALL if f.mark != "not-run" and (f.lang == "python" or cli_lines(f.body))]
 
@@ -114,6 +124,7 @@ def test_the_convention_is_followed() -> None:
         if fence.lang != "python" and fence.mark != "not-run":
             cli_lines(fence.body)  # plain commands only
     assert any(f.lang == "python" for f in RUN) and any(f.mark == "with-server" for f in RUN)
+    assert {f.page for f in ALL} >= {"README.md", "docs/generation.md"}, "a page was not read"
 
 
 def test_the_parser_reads_marks_and_continuations() -> None:
@@ -173,7 +184,7 @@ def _serve(default_gguf: Path, port: int) -> subprocess.Popen[bytes]:
 
 @pytest.mark.model
 @pytest.mark.parametrize("fence", RUN, ids=[f.id for f in RUN])
-def test_readme_snippet_runs(
+def test_snippet_runs(
     fence: Fence, default_gguf: Path, tiny_llama_gguf: Path, tmp_path: Path
 ) -> None:
     if fence.mark == "tiny-gguf":
