@@ -383,20 +383,28 @@ def test_a_named_function_is_the_one_called_and_streams_as_a_chunk() -> None:
 
 
 def test_parallel_calls_each_validate_and_a_cut_one_is_reported() -> None:
+    """Each seed's forced reply ends in one or more valid calls; the same seed's reply cut a
+    few tokens before that end keeps the calls complete by then and reports the cut one."""
     model = fake(CHATML)
     for seed in range(3):
-        stream = model.chat(ASK, tools=TOOLS, tool_choice="required", stream=True, seed=seed,
-                            max_new_tokens=300)  # fmt: skip
+        ask = {"tools": TOOLS, "tool_choice": "required", "seed": seed}
+        stream = model.chat(ASK, **ask, stream=True, max_new_tokens=300)
         chunks = list(stream)
         result = stream.result
         assert result is not None
+        assert result.finish_reason == "tool_calls" and result.tool_call_error is None
+        assert len(result.tool_calls) >= 1
         assert [c for chunk in chunks for c in chunk.tool_calls] == list(result.tool_calls)
         for call in result.tool_calls:
             assert_valid(call)
-        if result.finish_reason == "tool_calls":
-            assert result.tool_call_error is None and result.tool_calls
-        else:
-            assert result.finish_reason == "length" and result.tool_call_error
+        cut = model.chat(ASK, **ask, max_new_tokens=result.stats.completion_tokens - 5)
+        assert cut.finish_reason == "length" and cut.tool_call_error, cut.text
+        assert "not closed" in cut.tool_call_error
+        # the cut call is the last one written: the last handed out, or a repeat that ended
+        # the whole reply (dropped there, so the cut keeps every call)
+        kept = [c["function"] for c in cut.tool_calls]
+        assert len(kept) >= len(result.tool_calls) - 1
+        assert kept == [c["function"] for c in result.tool_calls[: len(kept)]]
 
 
 def test_auto_and_none_leave_the_reply_free() -> None:
@@ -439,6 +447,7 @@ def test_forced_arguments_satisfy_the_schema(schema: dict[str, Any], seed: int) 
     result = fake(CHATML).chat(ASK, tools=[tool], tool_choice="required", seed=seed,
                                parallel_tool_calls=False, max_new_tokens=300)  # fmt: skip
     if result.finish_reason == "tool_calls":
+        assert len(result.tool_calls) == 1 and result.tool_call_error is None
         assert_valid(result.tool_calls[0], [tool])
     else:  # the budget ran out mid-call: reported, never handed out
         assert result.finish_reason == "length" and result.tool_calls == ()
@@ -495,6 +504,7 @@ def test_tiny_models_make_valid_forced_calls_and_finish_the_loop(
         result = model.chat(ask, tools=tools, tool_choice="required", parallel_tool_calls=False,
                             seed=1, max_new_tokens=120)  # fmt: skip
         assert result.finish_reason == "tool_calls", (result.text, result.tool_call_error)
+        assert len(result.tool_calls) == 1
         assert_valid(result.tool_calls[0], tools)
         call = dict(result.tool_calls[0])
         loop = [*ask, {"role": "assistant", "content": None, "tool_calls": [call]}]
@@ -524,6 +534,7 @@ def test_default_model_required_calls_all_validate(default_model: Model, _: int)
             parallel_tool_calls=False,
         )  # fmt: skip
         assert result.finish_reason == "tool_calls", (i, result.text, result.tool_call_error)
+        assert len(result.tool_calls) == 1, (i, result.tool_calls)
         for call in result.tool_calls:
             assert_valid(call)
         call = dict(result.tool_calls[0])
@@ -549,8 +560,11 @@ def test_run_prints_the_call_as_json(tiny_llama_gguf: Path, tmp_path: Path) -> N
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     call = json.loads(done.stdout.strip().splitlines()[-1])
+    assert isinstance(call, dict)
     assert_valid(call, [TINY_TOOL])
     done = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=300)
     record = json.loads(done.stdout)
     assert record["finish_reason"] == "tool_calls" and record["tool_call_error"] is None
+    assert len(record["tool_calls"]) == 1
     assert_valid(record["tool_calls"][0], [TINY_TOOL])
+    assert record["tool_calls"][0]["function"] == call["function"]
