@@ -45,6 +45,26 @@ def tiny(tmp: Path, pooling: str = "mean") -> tuple[Path, Path]:
     return folder, gguf
 
 
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The cosine of each row of ``a`` with the same row of ``b`` (norms divided out, so a
+    vector of the right direction but the wrong length does not pass for the same)."""
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def assert_unit(vectors: np.ndarray) -> None:
+    """``normalize=True`` vectors: each of L2 norm 1 within 1e-5."""
+    norms = np.linalg.norm(vectors.astype(np.float64), axis=1)
+    assert np.abs(norms - 1.0).max() <= 1e-5, norms
+
+
+def assert_same_vectors(got: np.ndarray, want: np.ndarray) -> None:
+    """Both routes' vectors: the same shape, every pair at a cosine of at least 0.999."""
+    assert got.shape == want.shape
+    cosine = cosines(got, want)
+    assert cosine.min() >= 0.999, cosine
+
+
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return tiny(tmp_path_factory.mktemp("gguf-embed"))
@@ -57,9 +77,17 @@ def test_the_gguf_route_matches_the_onnx_encoder_on_the_same_weights(
     folder, gguf = tiny(tmp_path, pooling)
     with edgeinfer.load(gguf, threads=2) as model, edgeinfer.load(folder, threads=2) as ref:
         got, want = model.embed_detailed(TEXTS), ref.embed_detailed(TEXTS)
+        raw, raw_want = (m.embed(TEXTS, normalize=False) for m in (model, ref))
         assert model.info["pooling"] == pooling and model.info["backend"] == "llama.cpp"
-    cosine = (got.vectors * want.vectors).sum(1)
-    assert got.vectors.shape == want.vectors.shape and cosine.min() >= 0.999, cosine
+    assert_unit(got.vectors)
+    assert_unit(want.vectors)
+    assert_same_vectors(got.vectors, want.vectors)
+    # before normalizing: the same directions and the same lengths
+    assert_same_vectors(raw, raw_want)
+    np.testing.assert_allclose(np.linalg.norm(raw, axis=1), np.linalg.norm(raw_want, axis=1),
+                               rtol=1e-3)  # fmt: skip
+    np.testing.assert_allclose(raw / np.linalg.norm(raw, axis=1, keepdims=True), got.vectors,
+                               atol=1e-6)  # fmt: skip
     assert got.truncated == want.truncated == [False] * 4 + [True]
     assert got.tokens == want.tokens
 
@@ -163,8 +191,9 @@ def test_all_minilm_as_gguf_matches_the_onnx_encoder(monkeypatch: pytest.MonkeyP
     assert derived_encoder_gguf("all-minilm-l6-v2", folder) == gguf  # converted once
     with edgeinfer.load(gguf, threads=2) as model:
         got = model.embed_detailed(texts)
-    cosine = (got.vectors * want.vectors).sum(1)
-    assert cosine.min() >= 0.999, cosine
+    assert_unit(got.vectors)
+    assert_unit(want.vectors)
+    assert_same_vectors(got.vectors, want.vectors)
     assert got.truncated == want.truncated == [False] * 5 + [True]
 
 
