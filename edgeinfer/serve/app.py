@@ -15,7 +15,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from ..model import Model
-from . import embeddings, endpoints
+from . import embeddings, endpoints, response_routes
 from .config import ServerConfig
 from .endpoints import Context
 from .guard import HostGuard, allowed_hosts
@@ -30,8 +30,11 @@ def create_app(model: Model, config: ServerConfig) -> Any:
     routes = [
         Route("/v1/chat/completions", partial(endpoints.chat, ctx), methods=["POST"]),
         Route("/v1/completions", partial(endpoints.completions, ctx), methods=["POST"]),
+        Route("/v1/responses", partial(endpoints.responses, ctx), methods=["POST"]),
+        Route("/v1/responses/{id}", partial(response_routes.one, ctx), methods=["GET", "DELETE"]),
         Route("/v1/embeddings", partial(embeddings.embeddings, ctx), methods=["POST"]),
         Route("/v1/models", partial(endpoints.models, ctx), methods=["GET"]),
+        Route("/v1/models/{id:path}", partial(endpoints.model, ctx), methods=["GET"]),
         Route("/health", partial(endpoints.health, ctx), methods=["GET"]),
     ]
     errors = {

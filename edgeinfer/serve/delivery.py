@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..errors import InvalidRequestError
 from ..generation import GenerationResult
-from . import wire
 from .connection import FINAL, Connection, Gone
 from .jobs import Job
 from .replies import figures, invalid, server_error, shutting_down
@@ -28,11 +27,20 @@ logger = logging.getLogger("edgeinfer.serve")
 
 Log = Callable[[int, dict[str, Any]], None]  # (status, figures) -> one access line
 Outcome = tuple[int, dict[str, Any]]  # (status, figures) for the access line
+# sends a streamed reply from its first chunk on: streaming.stream (chat, completions) or
+# response_stream.stream (/v1/responses)
+Streamer = Callable[[Connection, Any, Any], Awaitable[Outcome]]
 
 
 class GenerationReply:
-    def __init__(self, job: Job, shape: wire.Shape, streamed: bool, log: Log) -> None:
+    """``shape`` builds the reply's objects (``wire.Shape``, ``response_objects.ResponseShape``):
+    ``whole(text, reason, stats, tool_calls)``, ``prompt_param`` and ``param_names``."""
+
+    def __init__(
+        self, job: Job, shape: Any, streamed: bool, log: Log, streamer: Streamer = stream
+    ) -> None:
         self.job, self.shape, self.streamed, self.log = job, shape, streamed, log
+        self.streamer = streamer
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         conn = Connection(self.job, receive, send)
@@ -64,9 +72,9 @@ class GenerationReply:
                 raise Gone
             return await conn.error(shutting_down()), {}
         if what == "error":
-            return await _failed(conn, value), {}
+            return await _failed(conn, value, self.shape), {}
         if self.streamed and not self._ended_by_shutdown(value):
-            return await stream(conn, self.shape, value)
+            return await self.streamer(conn, self.shape, value)
         return await self._whole(conn, value)
 
     def _ended_by_shutdown(self, chunk: Any) -> bool:
@@ -79,7 +87,7 @@ class GenerationReply:
         while what != "end":
             what, value = await conn.next()
             if what == "error":
-                return await _failed(conn, value), {}
+                return await _failed(conn, value, self.shape), {}
             if what == "chunk":
                 parts.append(value.text)
         result: GenerationResult = value
@@ -102,8 +110,8 @@ async def _client_left(conn: Connection) -> Outcome:
     return 499, (figures(value, conn.job.tokens_at_cancel) if what == "end" else {})
 
 
-async def _failed(conn: Connection, exc: BaseException) -> int:
+async def _failed(conn: Connection, exc: BaseException, shape: Any) -> int:
     if isinstance(exc, InvalidRequestError):
-        return await conn.error(invalid(exc))
+        return await conn.error(invalid(exc, shape.prompt_param, shape.param_names))
     logger.error("generation failed: %s", exc)
     return await conn.error(server_error(exc))

@@ -1,12 +1,20 @@
 """``POST /v1/embeddings`` in OpenAI's shape, over ``Model.embed_detailed``.
 
-Body: ``input`` (a string or a list of strings; token-id inputs are refused), ``model``
-(optional: this server's name or "default"), ``encoding_format`` ("float", the default, or
-"base64": the little-endian float32 bytes), ``dimensions`` (accepted only when it equals the
-model's own dimension: the served models are not trained to be cut shorter, so a shorter
-vector would be a different, worse embedding), ``user`` (ignored). Vectors are
-L2-normalized, as OpenAI's are. Each item also says whether its text was ``truncated`` at the
+Body: ``input`` (a string, a list of strings, a list of token ids or a list of such lists),
+``model`` (optional: this server's name or "default"), ``encoding_format`` ("float", the
+default, or "base64": the little-endian float32 bytes), ``dimensions`` (accepted only when it
+equals the model's own dimension: the served models are not trained to be cut shorter, so a
+shorter vector would be a different, worse embedding), ``user`` (ignored). Vectors are
+L2-normalized, as OpenAI's are. Each item also says whether its input was ``truncated`` at the
 model's maximum length; ``usage.prompt_tokens`` counts the tokens the model read.
+
+Token ids index the *served model's* vocabulary (``0 .. vocab_size - 1``, as
+``GET /health``'s model and ``Model.tokenize`` give them), not OpenAI's tiktoken
+vocabularies: an id outside it is a 400 naming the range. The model reads the ids as given
+(no [CLS]/[SEP] added: send them when the model expects them), cut at its maximum length as
+texts are. Clients that tokenize with tiktoken before sending (LangChain's
+``OpenAIEmbeddings`` does by default) get vectors of ids the model reads differently from
+the text; set ``check_embedding_ctx_length=False`` there to send the text itself.
 
 Every refusal is a 400 naming the field (``input[3]``, ``encoding_format``, ``dimensions``);
 a served model that cannot embed is a 400 too. The embedding runs in a worker thread, one
@@ -27,8 +35,9 @@ from ..embedding import MAX_TEXT_CHARS
 from ..errors import InvalidRequestError
 from . import wire
 from .body import ClientLeft, read_json
+from .embedding_ids import embed_token_ids, token_id_inputs
 from .guard import key_matches
-from .replies import RequestLine, unauthorized
+from .replies import RequestLine, not_embedding, unauthorized
 
 if TYPE_CHECKING:
     from .endpoints import Context
@@ -42,20 +51,27 @@ MAX_INPUTS = 2048  # OpenAI's own limit on the items of one request
 
 
 class EmbeddingRequest:
-    """A checked body."""
+    """A checked body: its texts, or its token-id lists (then ``texts`` is empty)."""
 
-    def __init__(self, texts: list[str], model: str | None, base64: bool) -> None:
-        self.texts, self.model, self.base64 = texts, model, base64
+    def __init__(
+        self,
+        texts: list[str],
+        model: str | None,
+        base64: bool,
+        ids: list[list[int]] | None = None,
+    ) -> None:
+        self.texts, self.model, self.base64, self.ids = texts, model, base64, ids
 
 
-def parse_embeddings(body: Any, dim: int) -> EmbeddingRequest:
-    """The body checked field by field; WireError 400 naming the field otherwise."""
+def parse_embeddings(body: Any, dim: int, vocab: int | None = None) -> EmbeddingRequest:
+    """The body checked field by field; WireError 400 naming the field otherwise. Token ids
+    are taken when ``vocab`` (the model's vocabulary size) is given."""
     if not isinstance(body, dict):
         raise wire.WireError(400, "the request body must be a JSON object", code="invalid_value")
     unknown = sorted(set(body) - _FIELDS)
     if unknown:
         raise wire.bad(unknown[0], f"{wire.shown(unknown[0])} is not a field of this request")
-    texts = _inputs(body.get("input"))
+    texts, ids = _inputs(body.get("input"), vocab)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise wire.bad("model", "model must be a string")
@@ -72,10 +88,10 @@ def parse_embeddings(body: Any, dim: int) -> EmbeddingRequest:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise wire.bad("user", "user must be a string")
-    return EmbeddingRequest(texts, model, fmt == "base64")
+    return EmbeddingRequest(texts, model, fmt == "base64", ids)
 
 
-def _inputs(value: Any) -> list[str]:
+def _inputs(value: Any, vocab: int | None) -> tuple[list[str], list[list[int]] | None]:
     if value is None:
         raise wire.bad("input", "input is required: a string or a list of strings")
     if isinstance(value, str):
@@ -86,12 +102,15 @@ def _inputs(value: Any) -> list[str]:
         raise wire.bad("input", "input is empty: give at least one string")
     if len(value) > MAX_INPUTS:
         raise wire.bad("input", f"input has {len(value)} items, more than {MAX_INPUTS}")
+    if not isinstance(value[0], str) and vocab is not None:
+        return [], token_id_inputs(value, vocab)
     for i, text in enumerate(value):
         if not isinstance(text, str):
-            raise wire.bad(f"input[{i}]", f"input[{i}] must be a string (token ids are not taken)")
+            why = "a string, as input[0] is" if i else "a string or a list of token ids"
+            raise wire.bad(f"input[{i}]", f"input[{i}] must be {why}")
         if len(text) > MAX_TEXT_CHARS:
             raise wire.bad(f"input[{i}]", f"input[{i}] has more than {MAX_TEXT_CHARS:,} characters")
-    return value
+    return value, None
 
 
 async def embeddings(ctx: Context, request: Request) -> Response:
@@ -116,28 +135,14 @@ async def _answer(ctx: Context, request: Request) -> dict[str, Any]:
         raise unauthorized()
     info = ctx.model.info
     if info.get("kind") != "embedding":
-        raise wire.WireError(
-            400,
-            f"the model served here ({ctx.config.name}) generates text and cannot embed; "
-            "serve an embedding model such as all-minilm-l6-v2",
-            param="model",
-            code="model_cannot_embed",
-        )
+        raise not_embedding(ctx.config.name)
     body = await read_json(request, ctx.config.max_body_bytes)
-    parsed = parse_embeddings(body, int(info["embedding_dim"]))
-    if (
-        parsed.model is not None
-        and not ctx.config.any_model_name  # --any-model-name: every name is the served one
-        and parsed.model not in (ctx.config.name, "default")
-    ):
-        raise wire.WireError(
-            404,
-            f"model {wire.shown(parsed.model)} is not served here; this server serves "
-            f"{ctx.config.name!r}",
-            param="model",
-            code="model_not_found",
-        )
-    result = await run_in_threadpool(ctx.model.embed_detailed, parsed.texts)
+    parsed = parse_embeddings(body, int(info["embedding_dim"]), int(info["vocab_size"]))
+    wire.check_model(ctx.config.name, parsed.model, ctx.config.any_model_name)
+    if parsed.ids is not None:
+        result = await run_in_threadpool(embed_token_ids, ctx.model, parsed.ids)
+    else:
+        result = await run_in_threadpool(ctx.model.embed_detailed, parsed.texts)
     data = []
     for i, vector in enumerate(result.vectors):
         shown: Any = vector.tolist()

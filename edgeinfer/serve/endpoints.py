@@ -1,9 +1,10 @@
 """The endpoints: small functions taking the server's one frozen ``Context`` and a request.
 
-``chat`` and ``completions`` check the caller's key, read and check the body (``body.py``,
-``wire.py``), admit a job (``admission.py``) and return the reply that follows it
-(``delivery.py``); a refusal before that is a JSON error with its status. ``models`` and
-``health`` describe the server; the last three answer what Starlette itself refuses.
+``chat``, ``completions`` and ``responses`` check the caller's key, read and check the body
+(``body.py``, ``wire.py``, ``responses.py``), admit a job (``admission.py``) and return the
+reply that follows it (``delivery.py``); a refusal before that is a JSON error with its
+status. ``models``, ``model`` and ``health`` describe the server; the last three answer what
+Starlette itself refuses.
 """
 
 from __future__ import annotations
@@ -17,14 +18,17 @@ from starlette.responses import JSONResponse, Response
 
 from ..errors import InvalidRequestError
 from ..model import Model
-from . import wire
+from . import response_stream, streaming, wire
 from .admission import Admission, admit, model_activity, model_slots
 from .body import ClientLeft, read_json
 from .config import ServerConfig
 from .delivery import GenerationReply
 from .guard import key_bytes, key_matches
 from .jobs import Job
-from .replies import AccessLog, RequestLine, invalid, unauthorized
+from .replies import AccessLog, RequestLine, invalid, not_generative, unauthorized
+from .response_objects import ResponseShape, new_id
+from .response_store import ResponseStore
+from .responses import parse_response
 
 __all__ = [
     "Context",
@@ -32,8 +36,10 @@ __all__ = [
     "completions",
     "crashed",
     "health",
+    "model",
     "models",
     "not_found",
+    "responses",
     "wrong_method",
 ]
 
@@ -50,13 +56,14 @@ class Context:
     access: AccessLog
     key: bytes | None  # the API key as a client sends it; None: no key needed
     started: int  # when the server started, Unix seconds ("created" of /v1/models)
+    responses: ResponseStore  # what previous_response_id finds (response_store.py)
 
     @classmethod
     def create(cls, model: Model, config: ServerConfig) -> Context:
         key = key_bytes(config.api_key) if config.api_key is not None else None
         access = AccessLog(as_json=config.log_json)
         admission = Admission(config.max_queue, slots=model_slots(model))
-        return cls(model, config, admission, access, key, wire.now())
+        return cls(model, config, admission, access, key, wire.now(), ResponseStore())
 
 
 async def chat(ctx: Context, request: Request) -> Any:
@@ -67,14 +74,32 @@ async def completions(ctx: Context, request: Request) -> Any:
     return await _generate(ctx, request, "completion")
 
 
+async def responses(ctx: Context, request: Request) -> Any:
+    return await _generate(ctx, request, "response")
+
+
 async def models(ctx: Context, request: Request) -> Response:
     try:
         _authorize(ctx, request)
     except wire.WireError as exc:
         return _error(exc)
+    return JSONResponse({"object": "list", "data": [_model_entry(ctx)]})
+
+
+async def model(ctx: Context, request: Request) -> Response:
+    """``GET /v1/models/{id}``: the served model under its name, "default", or any name with
+    ``--any-model-name`` (the entry names the served model); 404 otherwise."""
+    try:
+        _authorize(ctx, request)
+        wire.check_model(ctx.config.name, request.path_params["id"], ctx.config.any_model_name)
+    except wire.WireError as exc:
+        return _error(exc)
+    return JSONResponse(_model_entry(ctx))
+
+
+def _model_entry(ctx: Context) -> dict[str, Any]:
     name = ctx.config.name
-    entry = {"id": name, "object": "model", "created": ctx.started, "owned_by": "edgeinfer"}
-    return JSONResponse({"object": "list", "data": [entry]})
+    return {"id": name, "object": "model", "created": ctx.started, "owned_by": "edgeinfer"}
 
 
 async def health(ctx: Context, request: Request) -> Response:
@@ -116,10 +141,11 @@ async def crashed(request: Request, exc: Exception) -> Response:
 
 
 async def _generate(ctx: Context, request: Request, kind: str) -> Any:
-    """A chat or text completion: the reply that follows its job, or a refusal."""
+    """A chat or text completion or a response: the reply that follows its job, or a
+    refusal."""
     line = RequestLine(ctx.access, request.method, request.url.path)
     try:
-        parsed, job = await _accept(ctx, request, kind)
+        parsed, shape, job = await _accept(ctx, request, kind)
     except wire.WireError as exc:
         line(exc.status)
         retry = {"Retry-After": str(ctx.config.retry_after_s)} if exc.status == 503 else None
@@ -130,41 +156,44 @@ async def _generate(ctx: Context, request: Request, kind: str) -> Any:
     except ClientLeft:
         line(499)
         return _Nothing()
-    prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    shape = wire.Shape(kind, wire.new_id(prefix), ctx.config.name, wire.now(), parsed.include_usage)
     job.start(f"edgeinfer-{shape.rid}")
-    return GenerationReply(job, shape, parsed.stream, replace(line, stream=parsed.stream))
+    streamer = response_stream.stream if kind == "response" else streaming.stream
+    return GenerationReply(job, shape, parsed.stream, replace(line, stream=parsed.stream), streamer)
 
 
-async def _accept(
-    ctx: Context, request: Request, kind: str
-) -> tuple[wire.ChatRequest | wire.CompletionRequest, Job]:
-    """The checked request and its admitted job; WireError, InvalidRequestError or
-    ClientLeft when it is refused."""
+Parsed = wire.ChatRequest | wire.CompletionRequest
+
+
+async def _accept(ctx: Context, request: Request, kind: str) -> tuple[Parsed, Any, Job]:
+    """The checked request, its reply's shape and its admitted job; WireError,
+    InvalidRequestError or ClientLeft when it is refused."""
     _authorize(ctx, request)
+    if ctx.model.info.get("kind") == "embedding":
+        raise not_generative(ctx.config.name)
     body = await read_json(request, ctx.config.max_body_bytes)
     defaults = ctx.config.sampling_defaults
-    parse = wire.parse_chat if kind == "chat" else wire.parse_completion
-    parsed = parse(body, defaults)
-    if not ctx.config.any_model_name:
-        _check_model(ctx.config.name, parsed.model)
-    return parsed, admit(ctx.model, parsed, ctx.admission)
+    parsed: Parsed
+    if kind == "response":
+        asked = parse_response(body, ctx.responses, defaults)
+        parsed = asked.chat
+        shape: Any = ResponseShape(
+            new_id("resp"), ctx.config.name, wire.now(), asked.echo, parsed.sampling,
+            asked.conversation, ctx.responses if asked.store else None,
+        )  # fmt: skip
+    else:
+        parsed = (wire.parse_chat if kind == "chat" else wire.parse_completion)(body, defaults)
+        rid = wire.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        shape = wire.Shape(kind, rid, ctx.config.name, wire.now(), parsed.include_usage)
+    wire.check_model(ctx.config.name, parsed.model, ctx.config.any_model_name)
+    try:
+        return parsed, shape, admit(ctx.model, parsed, ctx.admission)
+    except InvalidRequestError as exc:  # a prompt over the context, a bad setting
+        raise invalid(exc, shape.prompt_param, shape.param_names) from None
 
 
 def _authorize(ctx: Context, request: Request) -> None:
     if ctx.key is not None and not key_matches(request.headers.get("authorization"), ctx.key):
         raise unauthorized()
-
-
-def _check_model(name: str, requested: str | None) -> None:
-    if requested is not None and requested not in (name, "default"):
-        raise wire.WireError(
-            404,
-            f"model {wire.shown(requested)} is not served here; this server serves {name!r} "
-            "(start it with --any-model-name to answer every model name with it)",
-            param="model",
-            code="model_not_found",
-        )
 
 
 def _error(exc: wire.WireError, headers: dict[str, str] | None = None) -> Response:

@@ -20,6 +20,8 @@ __all__ = [
     "busy",
     "figures",
     "invalid",
+    "not_embedding",
+    "not_generative",
     "server_error",
     "shutting_down",
     "too_large",
@@ -32,12 +34,18 @@ access = logging.getLogger("edgeinfer.serve.access")
 # -- error bodies -----------------------------------------------------------------------------
 
 
-def invalid(exc: InvalidRequestError) -> wire.WireError:
+def invalid(
+    exc: InvalidRequestError, prompt: str = "messages", names: dict[str, str] | None = None
+) -> wire.WireError:
+    """The 400 of a request the model refused: a prompt over the context names ``prompt``
+    (the request's field holding it), a setting names its field (``names`` maps edgeinfer's
+    setting names to the request's where they differ from ``_PARAMS``)."""
     text = str(exc)
     if "context holds" in text:
-        return wire.WireError(400, text, param="messages", code="context_length_exceeded")
-    first = text.split(" ", 1)[0].split("=", 1)[0]  # messages start with the setting's name
-    param = _PARAMS.get(first, first if first in _PARAMS.values() else None)
+        return wire.WireError(400, text, param=prompt, code="context_length_exceeded")
+    first = text.split(" ", 1)[0].split("=", 1)[0].rstrip(":")  # the setting's name first
+    table = _PARAMS | (names or {})
+    param = table.get(first, first if first in table.values() else None)
     return wire.WireError(400, text, param=param, code="invalid_value")
 
 
@@ -51,6 +59,30 @@ _PARAMS = {
     "logit_bias": "logit_bias",
     "response_format": "response_format",
 }
+
+
+def not_generative(name: str) -> wire.WireError:
+    """Chat, completions or responses asked of a server whose model embeds."""
+    return wire.WireError(
+        400,
+        f"this server serves an embedding model ({name}): it embeds text and cannot chat or "
+        'complete; POST /v1/embeddings with {"input": ...}, or start edgeinfer serve with a '
+        "text-generation model for /v1/chat/completions, /v1/completions and /v1/responses",
+        param="model",
+        code="model_cannot_generate",
+    )
+
+
+def not_embedding(name: str) -> wire.WireError:
+    """Embeddings asked of a server whose model generates text."""
+    return wire.WireError(
+        400,
+        f"this server serves a text-generation model ({name}) and cannot embed: POST "
+        "/v1/chat/completions, /v1/completions or /v1/responses; for /v1/embeddings start "
+        "edgeinfer serve with an embedding model such as all-minilm-l6-v2",
+        param="model",
+        code="model_cannot_embed",
+    )
 
 
 def server_error(exc: BaseException) -> wire.WireError:

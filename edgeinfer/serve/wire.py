@@ -11,14 +11,23 @@ import math
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ..chat import validate_messages
 from ..errors import InvalidRequestError
 from ..generation import GenerationStats
 from ..tools.spec import check_parallel, check_tool_choice, check_tools
 
-__all__ = ["ChatRequest", "CompletionRequest", "WireError", "parse_chat", "parse_completion"]
+__all__ = [
+    "ChatRequest",
+    "CompletionRequest",
+    "WireError",
+    "chat_role",
+    "check_model",
+    "parse_chat",
+    "parse_completion",
+    "unknown_model",
+]
 
 # Fields that change what OpenAI would return and that edgeinfer does not do: refused unless
 # they hold their "off" value. Other unknown fields (user, metadata, store, ...) are ignored.
@@ -269,6 +278,31 @@ def shown(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def chat_role(role: str) -> str:
+    """A message's role as the chat templates take it: OpenAI's ``developer`` (the newer name
+    of the system role) is read as ``system``, since the templates edgeinfer renders know
+    system, user, assistant and tool only."""
+    return "system" if role == "developer" else role
+
+
+def unknown_model(name: str, requested: str) -> WireError:
+    """The 404 of every endpoint for a model name this server does not serve."""
+    return WireError(
+        404,
+        f"model {shown(requested)} is not served here; this server serves {name!r} "
+        "(start it with --any-model-name to answer every model name with it)",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def check_model(name: str, requested: str | None, any_name: bool) -> None:
+    """``requested`` (a body's ``model``) names the served model: its name, "default", or
+    any name when the server was started with ``--any-model-name``."""
+    if requested is not None and not any_name and requested not in (name, "default"):
+        raise unknown_model(name, requested)
+
+
 def _message(m: Any, i: int) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -283,7 +317,7 @@ def _message(m: Any, i: int) -> dict[str, Any]:
                 raise bad(f"{where}.content", "a text part needs a string text")
             parts.append(part["text"])
         content = "".join(parts)
-    message: dict[str, Any] = {"role": m["role"], "content": content}
+    message: dict[str, Any] = {"role": chat_role(m["role"]), "content": content}
     if m["role"] == "assistant" and m.get("tool_calls") is not None:
         message["tool_calls"] = m["tool_calls"]  # checked by validate_messages
         if content is None:
@@ -359,6 +393,13 @@ class Shape:
     model: str
     created: int
     include_usage: bool = False
+    # the request's own names of edgeinfer's settings where they differ (replies.invalid)
+    param_names: ClassVar[dict[str, str] | None] = None
+
+    @property
+    def prompt_param(self) -> str:
+        """The field that holds the prompt: what a prompt too long for the context names."""
+        return "messages" if self.kind == "chat" else "prompt"
 
     def whole(
         self,
