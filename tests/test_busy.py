@@ -21,6 +21,7 @@ from edgeinfer.busy import (
     ThreadTuner,
     busy_line,
     cgroup_quota_cores,
+    cpu_share,
     own_cgroup_quota,
     threads_for,
     usable_cores,
@@ -199,10 +200,45 @@ def test_busy_line_says_busy_only_when_threads_were_cut() -> None:
 
 
 def _hog() -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-c", "while True: pass"],
+    """A busy loop in a child process, returned once it is spinning."""
+    spin = "import sys\nsys.stdout.write('x')\nsys.stdout.flush()\nwhile 1: pass"
+    hog = subprocess.Popen(
+        [sys.executable, "-c", spin],
+        stdout=subprocess.PIPE,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+    assert hog.stdout is not None and hog.stdout.read(1) == b"x"
+    return hog
+
+
+def _needs_two_cores() -> int:
+    usable = CpuMeter().usable
+    if usable < 2:
+        pytest.skip("one usable core: one thread with or without a busy loop, no drop to show")
+    return usable
+
+
+def test_the_thread_count_drops_beside_a_busy_loop() -> None:
+    """The live meter, in the same test: a window that leaves room for two threads or more,
+    then a window with our busy loop spinning chooses fewer (the loop keeps a core taken)."""
+    usable = _needs_two_cores()
+    for _ in range(20):  # others' work comes and goes: wait for a window with room to drop
+        before = cpu_share(0.25)
+        if before.threads >= 2:
+            break
+    else:
+        pytest.skip(
+            f"other processes kept {before.busy:.1f} of {usable} cores busy in every window: "
+            "one thread already, no drop can show"
+        )
+    hog = _hog()
+    try:
+        beside = cpu_share(0.25)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert beside.busy >= 0.5, (before, beside)  # the loop counts as someone else's work
+    assert beside.threads <= usable - 1 and beside.threads < before.threads, (before, beside)
 
 
 def test_devices_says_how_busy_the_machine_is_beside_a_hog() -> None:
@@ -222,8 +258,12 @@ def test_devices_says_how_busy_the_machine_is_beside_a_hog() -> None:
     lines = [x for x in text.stdout.splitlines() if x.startswith("cpu load")]
     assert len(lines) == 1 and "load average" in lines[0]
     record = json.loads(as_json.stdout)["busy"]
-    assert record["usable_cores"] >= 1 and 1 <= record["threads"] <= record["usable_cores"]
-    assert record["busy_cores"] >= 0 and record["line"].startswith("load average")
+    usable = record["usable_cores"]
+    assert usable >= 1 and 1 <= record["threads"] <= usable
+    if usable >= 2:  # the loop keeps a core busy all through the window: one thread fewer
+        assert record["busy_cores"] >= 0.5 and record["threads"] <= usable - 1, record
+        assert "BUSY" in record["line"] and "BUSY" in lines[0]
+    assert record["line"].startswith("load average")
 
 
 def test_recorded_machine_has_no_busy_line(tmp_path: Path) -> None:
