@@ -211,6 +211,51 @@ class TokenStream:
         return self.result
 
 
+class OpenStreams:
+    """The requests of a one-slot model between their first step and their end, and the lock
+    their engine work runs under. A chunk is handed out with the lock free, so ``close()``
+    (``end_all``, then the lock) waits for one step at most, never for a consumer that holds
+    a chunk."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # re-entered when a collected stream ends inside a step
+        self._guard = threading.Lock()  # the set below
+        self._cancels: set[threading.Event] = set()
+        self._ending = False
+
+    def steps(
+        self, check: Callable[[], None], cancel: threading.Event, start: Callable[[], Iterator]
+    ) -> Iterator[Chunk]:
+        """``start()``'s chunks, each made holding the lock, once ``check()`` passed under it."""
+        with self.lock:
+            check()
+            chunks = start()
+            with self._guard:
+                self._cancels.add(cancel)
+                if self._ending:  # it came while the model was being closed
+                    cancel.set()
+        try:
+            while True:
+                with self.lock:
+                    chunk = next(chunks, None)
+                if chunk is None:
+                    return
+                yield chunk
+        finally:
+            with self._guard:
+                self._cancels.discard(cancel)
+            with self.lock:
+                chunks.close()
+
+    def end_all(self) -> None:
+        """Ask every open request, and any that starts from now on, to stop: each ends
+        "cancelled" at its next step, without touching the engine again."""
+        with self._guard:
+            self._ending = True
+            for cancel in self._cancels:
+                cancel.set()
+
+
 def check_request(backend: Backend, prompt: Sequence[int], config: SamplingConfig) -> Sampler:
     """Refuse a request that cannot run (before any work); return its sampler."""
     if not prompt:
@@ -400,6 +445,9 @@ def run(
         assert step.token is not None  # a step that did not finish took a token
         if step.text:
             yield seq.chunk(step.text)
+            if cancel.is_set():  # while the consumer held the chunk (or the model was closed)
+                yield seq.last_chunk("", "cancelled")  # the engine is not touched again
+                return
         if remember:  # the cache holds exactly the prompt until the first decode
             remember = False
             disk.remember(list(prompt), len(prompt) - seq.reused)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -17,7 +18,7 @@ from .chat import encode_chat, render_chat
 from .embedding import EmbedResult, embed_for_model, require_generation
 from .engine import Engine
 from .errors import EdgeInferError, InvalidRequestError
-from .generation import Chunk, GenerationResult, KVHistory, TokenStream
+from .generation import Chunk, GenerationResult, KVHistory, OpenStreams, TokenStream
 from .many import Request, collect_in_order, read_request
 from .memory import MemoryPlan
 from .model_parts import attach_cache, checked_token_ids, signals_held
@@ -69,6 +70,7 @@ class Model:
         self._format = model_format
         self._history = KVHistory()
         self._turns = Turns()
+        self._open = OpenStreams()  # its lock: held while engine code runs (close() waits)
         self._closed = False
         self._route = dict(route) if route is not None else None
         self._states: SeqStates | None = None  # save_state / load_state, made when first used
@@ -417,7 +419,7 @@ class Model:
                 "save_state/load_state work on a model loaded with parallel=1; at parallel > 1 "
                 "use prompt_cache"
             )
-        with self._turns.turn():
+        with self._turns.turn(), self._open.lock:
             self._require_open()
             if self._states is None:
                 self._states = SeqStates(self._backend, self._path)
@@ -426,13 +428,15 @@ class Model:
     # -- lifecycle ------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Free the engine and its KV cache; calling it again does nothing. A SIGINT or
-        SIGTERM arriving meanwhile takes effect once the engine is freed."""
+        """Free the engine and its KV cache; calling it again does nothing. Open streams end
+        "cancelled" (at their next step: a stream another thread holds suspended is not
+        waited for). A SIGINT or SIGTERM arriving meanwhile takes effect once it is freed."""
+        self._open.end_all()  # they end "cancelled" at their next step, later ones at once
         if self._engine is not None:
             self._engine.close()  # running sequences end "cancelled"; the loop stops
         if self._disk is not None:
             self._disk.flush()  # a snapshot being written is finished (it is atomic anyway)
-        with self._turns.turn():
+        with self._open.lock:  # no request is in the engine now; none will enter it again
             if not self._closed:
                 self._closed = True
                 with signals_held():
@@ -483,12 +487,10 @@ class Model:
         """Serve one request in its turn (taken when iteration starts). The turn ends before
         the final chunk is handed out, so a consumer that stops there holds nothing."""
         final: Chunk | None = None
+        args = (self._backend, self._history, ids, sampler, cancel, keep if self._slide else None)
+        start = partial(generation.run, *args, self._disk)
         with self._turns.turn(wait=wait):
-            self._require_open()
-            slide_keep = keep if self._slide else None
-            for chunk in generation.run(
-                self._backend, self._history, ids, sampler, cancel, slide_keep, self._disk
-            ):
+            for chunk in self._open.steps(self._require_open, cancel, start):
                 if chunk.finish_reason is not None:
                     final = chunk
                     break
