@@ -22,7 +22,7 @@ from ..errors import InvalidRequestError, SnapshotError
 
 __all__ = ["SessionFiles"]
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _MAX_MESSAGES_BYTES = 16 << 20
 _MAX_MESSAGES = 10_000
 
@@ -31,7 +31,7 @@ class SessionFiles:
     """Where session ``name`` is kept, and its messages and KV read and written."""
 
     def __init__(self, name: str) -> None:
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):  # "$" would take a "\n"
             raise InvalidRequestError(
                 f"--session {name!r:.80} is invalid: use 1 to 64 letters, digits, '_', '-' or "
                 "'.', starting with a letter or digit"
