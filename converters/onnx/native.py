@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from edgeinfer.errors import ConversionError
+from edgeinfer.errors import BackendUnavailableError, ConversionError
 from edgeinfer.gguf_file import read_gguf_header
 from edgeinfer.manifest import Manifest
 from edgeinfer.progress import Progress
@@ -57,11 +57,53 @@ def convert_native(
         tokenizer = check_against_llama_cpp(src, partial)
         if tokenizer["checked_against"] is None:
             stage.detail("  llama-cpp-python is not installed: tokenizer ids not compared")
+        tokenizer["stop_ids"] = _check_stop_set(src, manifest)
         stage("validating against llama.cpp on the source")
         report = validate_native(cfg, partial, manifest, on_prompt=_prompt_lines(stage))
         report["tokenizer_check"] = tokenizer
         manifest = _finish(cfg, partial, manifest, report, stage)
     return ConversionResult(cfg.out, manifest, report)
+
+
+def _check_stop_set(src: Path, manifest: Manifest) -> dict[str, Any]:
+    """The folder's stop set (``eos_token_ids``) against llama.cpp's end-of-generation set on
+    ``src``, asked of llama.cpp for every id; ConversionError when they differ (the folder
+    would stop where the source does not, or run past where it stops)."""
+    ours = tuple(manifest.eos_token_ids)
+    theirs = llama_cpp_stop_ids(src)
+    if theirs is None:
+        return {"ids": list(ours), "checked_against": None}
+    if theirs != ours:
+        extra, missing = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+        differences = ([f"stop on tokens {extra}"] if extra else []) + (
+            [f"run past tokens {missing}"] if missing else []
+        )
+        raise ConversionError(
+            f"{src.name}: the folder would {' and '.join(differences)}, unlike llama.cpp on "
+            "the source; report this vocabulary, or convert with --builder optimum"
+        )
+    return {"ids": list(ours), "checked_against": "llama.cpp"}
+
+
+def llama_cpp_stop_ids(gguf: Path) -> tuple[int, ...] | None:
+    """Every id llama.cpp ends a generation on in ``gguf``'s vocabulary (``llama_vocab_is_eog``
+    for each), sorted; None without llama-cpp-python."""
+    from edgeinfer.runtimes.llama_cpp import engine
+
+    try:
+        llama_cpp = engine()
+    except BackendUnavailableError:
+        return None
+    try:
+        ref = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
+    except ValueError as exc:  # llama-cpp-python: "Failed to load model from file"
+        raise ConversionError(f"{gguf.name}: llama.cpp cannot read its vocabulary: {exc}") from exc
+    try:
+        vocab = llama_cpp.llama_model_get_vocab(ref.model)
+        n = int(llama_cpp.llama_vocab_n_tokens(vocab))
+        return tuple(i for i in range(n) if llama_cpp.llama_vocab_is_eog(vocab, i))
+    finally:
+        ref.close()
 
 
 def _convert_checkpoint(cfg: ConvertConfig, on_stage: StageCallback | None) -> ConversionResult:

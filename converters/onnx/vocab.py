@@ -27,6 +27,7 @@ from typing import Any
 
 from edgeinfer.errors import ConversionError
 from edgeinfer.gguf_checks import check_gguf_model
+from edgeinfer.gguf_eog import end_of_generation_ids
 from edgeinfer.gguf_file import read_gguf_header
 
 __all__ = [
@@ -70,11 +71,6 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
     "stablelm2": (_QWEN2,),
 }
 _IGNORE_MERGES = frozenset({"llama-bpe", "llama3"})  # whole words in the vocabulary win
-# texts llama.cpp also treats as the end of a generation when they are tokens
-_EOG_TEXTS = frozenset(
-    {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
-     "<EOT>", "_<EOT>", "<|end_of_text|>"}
-)  # fmt: skip
 _ARRAYS = (
     "tokenizer.ggml.tokens",
     "tokenizer.ggml.token_type",
@@ -154,13 +150,12 @@ def read_gguf_vocabulary(path: str | Path) -> GGUFVocabulary:
         return int(value) if isinstance(value, int) and 0 <= value < n else None
 
     bos, eos = special("bos"), special("eos")
-    eog = {i for i in (eos, special("eot"), special("eom")) if i is not None}
-    eog.update(i for i, t in enumerate(tokens) if t in _EOG_TEXTS)
+    texts = [str(t) for t in tokens]
     template = meta.get("tokenizer.chat_template")
     return GGUFVocabulary(
         model=model,
         pre=pre,
-        tokens=[str(t) for t in tokens],
+        tokens=texts,
         types=[int(t) for t in types],
         merges=[str(m) for m in merges],
         scores=[float(s) for s in scores],
@@ -170,7 +165,7 @@ def read_gguf_vocabulary(path: str | Path) -> GGUFVocabulary:
         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")),
         add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
-        eog_ids=tuple(sorted(eog)),
+        eog_ids=end_of_generation_ids(meta, texts),  # llama.cpp's stop set, every token
         chat_template=template if isinstance(template, str) and template else None,
     )
 
