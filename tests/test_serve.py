@@ -375,3 +375,41 @@ def test_cors_only_for_the_named_origin(local: edgeinfer.Model) -> None:
     assert r.headers.get("access-control-allow-origin") != "*"
     assert opened.get("/v1/chat/completions").status_code == 405  # POST only, JSON error
     assert opened.get("/nowhere").json()["error"]["code"] == "not_found"
+
+
+# -- the small refusals: what OpenAI's clients send and expect ---------------------------------
+
+
+def test_developer_role_is_read_as_system(server: Server) -> None:
+    client = server.client()
+    asked = [{"role": "developer", "content": "Be terse."}, *MESSAGES]
+    got = client.chat.completions.create(model=MODEL_ID, messages=asked, **GREEDY)
+    system = [{"role": "system", "content": "Be terse."}, *MESSAGES]
+    want = client.chat.completions.create(model=MODEL_ID, messages=system, **GREEDY)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+
+
+def test_models_retrieve_by_name_and_unknown_is_404_with_the_hint(server: Server) -> None:
+    client = server.client()
+    for name in (server.model, MODEL_ID):
+        entry = client.models.retrieve(name)
+        assert entry.id == server.model and entry.object == "model"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-9")
+    assert info.value.body["param"] == "model" and "--any-model-name" in info.value.body["message"]
+    assert httpx.get(f"{server.url}/v1/models/{MODEL_ID}").status_code == 401  # key needed
+
+
+def test_a_prompt_over_the_context_names_the_field_that_holds_it(server: Server) -> None:
+    client = server.client()
+    long_prompt = "word " * (CONTEXT * 2)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_ID, prompt=long_prompt, max_tokens=2)
+    assert info.value.body["param"] == "prompt"
+    assert info.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as chat:
+        client.chat.completions.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": long_prompt}], max_tokens=2
+        )
+    assert chat.value.body["param"] == "messages"
