@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
@@ -10,7 +12,48 @@ import edgeinfer
 from edgeinfer import catalog
 from edgeinfer.model import Model
 
+from . import hangcheck, leakcheck
 from .fakes import FakeBackend
+
+# A test that uses the real default model may fetch it and convert it (a Hugging Face
+# checkpoint, ONNX folders, a GGUF) on the way: an hour before pytest-timeout fails it, not
+# the suite's default (pyproject.toml), unless the test or its module names its own timeout.
+MODEL_TIMEOUT_S = 3600
+_REAL_MODEL_FIXTURES = {"default_gguf", "default_model", "default_checkpoint", "default_onnx",
+                        "default_gguf_f16"}  # fmt: skip
+_Proc = TypeVar("_Proc", bound="subprocess.Popen[Any]")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    leakcheck.register(config)  # a test that leaves a child running fails, by name
+    hangcheck.register(config)  # a test that SIGALRM cannot stop ends the run, by name
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not any(config.pluginmanager.has_plugin(n) for n in ("timeout", "pytest_timeout")):
+        return
+    for item in items:
+        real = item.get_closest_marker("model") or _REAL_MODEL_FIXTURES & set(
+            getattr(item, "fixturenames", ())
+        )
+        if real and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(MODEL_TIMEOUT_S))
+
+
+@pytest.fixture
+def kill_at_end() -> Iterator[Callable[[_Proc], _Proc]]:
+    """``kill_at_end(subprocess.Popen(...))`` is the process, ended when the test ends,
+    whatever happened: killed with everything under it if it still runs, reaped, its pipes
+    closed (tests/leakcheck.py fails a test that leaves one running)."""
+    started: list[subprocess.Popen[Any]] = []
+
+    def track(proc: _Proc) -> _Proc:
+        started.append(proc)
+        return proc
+
+    yield track
+    for proc in started:
+        leakcheck.end_process(proc)
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -115,51 +116,68 @@ def test_engine_lines_are_not_edgeinfers(tiny_llama_gguf: Path) -> None:
     assert engine and all(line.startswith("llama.cpp: ") for line in engine)
 
 
-@pytest.mark.model
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a Linux pseudo-terminal")
-def test_chat_in_a_terminal_keeps_typing_out_of_replies(default_gguf: Path) -> None:
-    """In a real (pseudo-)terminal: keys typed during a reply are neither echoed into it nor
-    read as the next message, and Ctrl-D leaves the shell a fresh line."""
+def _terminal_until(master: int, seen: bytes, done: Callable[[bytes], bool] | None, what: str,
+                    within: float = 300) -> bytes:  # fmt: skip
+    """``seen`` and what the terminal shows next, read until ``done(seen)`` (``None``: until
+    the child closes it); no ``what`` within ``within`` seconds fails, with the screen."""
     import os
-    import pty
     import select
     import time
 
+    deadline = time.monotonic() + within
+    while done is None or not done(seen):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            pytest.fail(f"no {what} within {within:.0f} s; the terminal showed {seen[-600:]!r}")
+        ready, _, _ = select.select([master], [], [], min(left, 1.0))
+        if not ready:
+            continue
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # EIO: the child's side is closed
+            chunk = b""
+        if not chunk:
+            if done is None:
+                return seen
+            pytest.fail(f"the chat ended before {what}; the terminal showed {seen[-600:]!r}")
+        seen += chunk
+    return seen
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a Linux pseudo-terminal")
+def test_chat_in_a_terminal_keeps_typing_out_of_replies(
+    default_gguf: Path, kill_at_end: Callable[..., subprocess.Popen[bytes]]
+) -> None:
+    """In a real (pseudo-)terminal: keys typed during a reply are neither echoed into it nor
+    read as the next message, and Ctrl-D leaves the shell a fresh line. Each step waits for
+    what the terminal shows, however slow the machine; the keys go in some 20 tokens into a
+    reply of 120."""
+    import os
+    import pty
+
     master, slave = pty.openpty()
-    proc = subprocess.Popen(
-        [*CLI, "chat", str(default_gguf), "--temperature", "0.8", "--seed", "3", "-n", "300",
-         "--threads", "2", "--context-length", "1024"],
-        stdin=slave, stdout=slave, stderr=slave, close_fds=True,
-    )  # fmt: skip
-    os.close(slave)
-    seen = b""
-
-    def read_for(seconds: float) -> None:
-        nonlocal seen
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            ready, _, _ = select.select([master], [], [], 0.05)
-            if ready:
-                try:
-                    seen += os.read(master, 4096)
-                except OSError:
-                    return
-
-    deadline = time.monotonic() + 120
-    while b">>> " not in seen and time.monotonic() < deadline:
-        read_for(0.2)
-    os.write(master, b"Write a long story about a dragon.\r")
-    start = len(seen)
-    while len(seen) < start + 120 and time.monotonic() < deadline:
-        read_for(0.1)
-    os.write(master, b"TYPED-DURING-REPLY")  # while the reply streams
-    while seen.count(b">>> ") < 2 and time.monotonic() < deadline:
-        read_for(0.2)
-    os.write(master, b"\x04")  # Ctrl-D at the prompt
-    proc.wait(timeout=60)
-    read_for(0.5)
-    os.close(master)
-    assert proc.returncode == 0
+    try:
+        proc = kill_at_end(subprocess.Popen(
+            [*CLI, "chat", str(default_gguf), "--temperature", "0.8", "--seed", "3", "-n", "120",
+             "--threads", "1", "--context-length", "1024"],  # one thread: no spinning peers
+            stdin=slave, stdout=slave, stderr=slave, close_fds=True,
+        ))  # fmt: skip
+    finally:
+        os.close(slave)
+    try:
+        seen = _terminal_until(master, b"", lambda s: b">>> " in s, "first prompt")
+        os.write(master, b"Write a long story about a dragon.\r")
+        start = len(seen)
+        seen = _terminal_until(master, seen, lambda s: len(s) >= start + 120, "reply")
+        assert seen.count(b">>> ") == 1, "the reply ended before the keys were typed"
+        os.write(master, b"TYPED-DURING-REPLY")  # while the reply streams
+        seen = _terminal_until(master, seen, lambda s: s.count(b">>> ") >= 2, "second prompt")
+        os.write(master, b"\x04")  # Ctrl-D at the prompt
+        seen = _terminal_until(master, seen, None, "exit after Ctrl-D")
+        assert proc.wait(timeout=60) == 0
+    finally:
+        os.close(master)
     assert b"TYPED-DURING-REPLY" not in seen  # not echoed, not sent as a message
     assert seen.endswith(b"\r\n") or seen.endswith(b"\n")
 
