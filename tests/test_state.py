@@ -246,3 +246,36 @@ def test_a_shorter_shared_prefix_after_restore_is_exact(tiny_path: Path, tmp_pat
     with _load(tiny_path) as fresh_model:
         want, _ = _next_logits(fresh_model, third)
     assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("kind", ["gguf", "onnx"])
+def test_a_snapshot_of_the_same_architecture_with_other_weights_is_refused(
+    kind: str, tmp_path: Path
+) -> None:
+    """Two tiny Llamas of one architecture, shape and file size, other random weights: the
+    KV of one is refused by the other (a layout check alone would take it)."""
+    from .ggufgen import tiny_llama
+
+    paths = []
+    for seed in (0, 1):
+        path = tiny_llama(seed=seed).write(tmp_path / f"seed{seed}.gguf")
+        if kind == "onnx":
+            pytest.importorskip("onnxruntime")
+            from edgeinfer.converters.onnx.folder import write_gguf_folder
+
+            folder = tmp_path / f"seed{seed}-onnx"
+            folder.mkdir()
+            write_gguf_folder(path, folder, max_context=256)
+            path = folder
+        paths.append(path)
+    state = tmp_path / "s.kvs"
+    with _load(paths[0]) as model:
+        model.generate(_prompts(model)[0], max_new_tokens=1, temperature=0)
+        model.save_state(state)
+    with _load(paths[1]) as other:
+        assert other._backend.info["backend"] == model._backend.info["backend"]
+        with pytest.raises(SnapshotError, match=re.escape(str(state)) + ".*another model"):
+            other.load_state(state)
+        assert other.generate("hello", max_new_tokens=2).finish_reason in ("stop", "length")
+    with _load(paths[0]) as same:
+        assert same.load_state(state)  # the weights it was made from still take it

@@ -93,15 +93,21 @@ class SeqStates:
         return bool(getattr(self._module, "COPIES_ON_RESTORE", False))
 
     def check_fingerprint(self, theirs: dict[str, Any], path: Path) -> None:
-        """SnapshotError naming what differs when ``theirs`` is not this model's."""
+        """SnapshotError naming what differs (the file's value and this machine's) when
+        ``theirs`` is not this model's on this machine and engine."""
         ours = self.fingerprint
         if theirs.get("model_sha256") != ours["model_sha256"]:
-            raise SnapshotError(f"{path} was made by another model (its sha256 differs)")
-        for key in ("backend", "engine_version", "provider"):
-            if theirs.get(key) != ours[key]:
+            raise SnapshotError(
+                f"{path} was made by another model (its sha256 differs: the file's "
+                f"{str(theirs.get('model_sha256'))[:12]!r}, this model's "
+                f"{ours['model_sha256'][:12]!r}); it restores only onto the same weights"
+            )
+        for key in ours:
+            if key not in ("model_sha256", "layout") and theirs.get(key) != ours[key]:
                 raise SnapshotError(
-                    f"{path} was made with {key} {theirs.get(key)!r}; this model runs "
-                    f"{ours[key]!r} — make it again"
+                    f"{path} was made with another {key}: the file's {theirs.get(key)!r:.200}, "
+                    f"this machine's {ours[key]!r:.200}; its KV would not be the numbers this "
+                    "machine computes — make it again here"
                 )
         layout = theirs.get("layout")
         if layout != ours["layout"]:
