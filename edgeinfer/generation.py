@@ -26,6 +26,7 @@ from .detokenizer import IncrementalDetokenizer
 from .errors import InvalidRequestError
 from .rss import peak_rss
 from .sampling import Sampler, SamplingConfig
+from .speculative import Speculation, drop_unkept, feed
 
 if TYPE_CHECKING:
     from .runtimes.base import Backend, Tokenizer
@@ -53,6 +54,8 @@ class GenerationStats:
     total_s: float
     peak_rss_bytes: int = 0  # the process's peak resident set so far (VmHWM); 0 if unknown
     disk_prompt_tokens: int = 0  # prompt tokens whose KV was read from the prompt cache on disk
+    draft_tokens: int = 0  # tokens drafted for speculative decoding (checked by the model)
+    accepted_tokens: int = 0  # of which kept: tokens that cost no forward pass of their own
 
 
 @dataclass(frozen=True)
@@ -329,6 +332,14 @@ class SequenceState:
         self.reused = 0  # prompt tokens found in the KV cache
         self.disk = 0  # of which read from the prompt cache on disk
         self.t_start = self.t_first = self.t_last = 0.0  # perf_counter seconds
+        self.drafted = self.accepted = 0  # speculative decoding: tokens drafted, and kept
+
+    def kept(self, drafted: int, accepted: int, speculation: Speculation | None) -> None:
+        """Count one verify pass: ``accepted`` of its ``drafted`` tokens were kept."""
+        self.drafted += drafted
+        self.accepted += accepted
+        if speculation is not None:
+            speculation.budget.record(drafted, accepted)
 
     def step(self, logits: np.ndarray, *, cancelled: bool, out_of_room: bool) -> _Step:
         """Sample the next token from ``logits`` (the last position's) and take it in.
@@ -390,6 +401,8 @@ class SequenceState:
             total_s=time.perf_counter() - self.t_start,
             peak_rss_bytes=peak_rss(),
             disk_prompt_tokens=self.disk,
+            draft_tokens=self.drafted,
+            accepted_tokens=self.accepted,
         )
         return Chunk(tail, tuple(self.unsent), finish, stats)
 
@@ -422,6 +435,7 @@ def run(
     cancel: threading.Event,
     slide_keep: int | None = None,
     disk: Any = None,
+    speculation: Speculation | None = None,
 ) -> Iterator[Chunk]:
     """The generation loop (a generator of Chunks) for a request ``check_request`` accepted;
     the caller holds the model's lock.
@@ -430,29 +444,46 @@ def run(
     ``slide_keep`` set it slides instead: the first ``slide_keep`` tokens (the system prompt)
     stay, the older half of the rest is dropped, and the kept recent tokens are read again at
     their new positions. ``disk`` (a prompt cache) may read the prompt's prefix from disk
-    and keeps a copy of a long prompt's KV once the first token is out."""
+    and keeps a copy of a long prompt's KV once the first token is out.
+
+    With ``speculation`` a pass reads the pending token and the drafts after it; ``rows`` (their
+    logits) are stepped while the sampler picks each draft itself (edgeinfer.speculative)."""
     seq = SequenceState(backend.tokenizer, prompt, sampler)
-    logits = _prefill(backend, history, prompt, seq, disk)
+    rows: Sequence[np.ndarray] = [_prefill(backend, history, prompt, seq, disk)]
+    drafts: list[int] = []
     remember = disk is not None
     while True:
-        full = len(history.tokens) + 1 >= backend.n_ctx  # no room after this token
-        step = seq.step(logits, cancelled=cancel.is_set(), out_of_room=full and slide_keep is None)
-        if step.finish is not None:
-            if remember and step.finish != "cancelled":
-                disk.remember(list(prompt), len(prompt) - seq.reused)
-            yield seq.last_chunk(step.text, step.finish)
-            return
-        assert step.token is not None  # a step that did not finish took a token
-        if step.text:
-            yield seq.chunk(step.text)
-            if cancel.is_set():  # while the consumer held the chunk (or the model was closed)
-                yield seq.last_chunk("", "cancelled")  # the engine is not touched again
+        for i, logits in enumerate(rows):
+            full = len(history.tokens) + 1 >= backend.n_ctx  # no room after this token
+            out_of_room = full and slide_keep is None
+            step = seq.step(logits, cancelled=cancel.is_set(), out_of_room=out_of_room)
+            if step.finish is not None:
+                if step.finish != "cancelled":
+                    drop_unkept(backend, history)
+                if remember and step.finish != "cancelled":
+                    disk.remember(list(prompt), len(prompt) - seq.reused)
+                yield seq.last_chunk(step.text, step.finish)
                 return
-        if remember:  # the cache holds exactly the prompt until the first decode
-            remember = False
-            disk.remember(list(prompt), len(prompt) - seq.reused)
+            if step.text:
+                yield seq.chunk(step.text)
+                if cancel.is_set():  # while the consumer held the chunk (or the model was closed)
+                    yield seq.last_chunk("", "cancelled")  # the engine is not touched again
+                    return
+            if remember:  # the cache holds exactly the prompt until the first decode
+                remember = False
+                disk.remember(list(prompt), len(prompt) - seq.reused)
+            if i < len(drafts) and step.token == drafts[i]:
+                history.tokens.append(step.token)  # kept: its entry is in the cache already
+                continue
+            break
+        if drafts:
+            seq.kept(len(drafts), i, speculation)
+            drop_unkept(backend, history)
+        assert step.token is not None  # a step that did not finish took a token
         if full and slide_keep is not None:
-            logits = _slide(backend, history, step.token, slide_keep)
+            rows, drafts = [_slide(backend, history, step.token, slide_keep)], []
             continue
-        logits = backend.decode(step.token)
+        room = backend.n_ctx - len(history.tokens) - 2  # a draft never fills the context
+        drafts = speculation.propose(seq.context, room) if speculation is not None else []
+        rows = feed(backend, step.token, drafts, speculation)
         history.tokens.append(step.token)

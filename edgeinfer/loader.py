@@ -29,6 +29,7 @@ from .model_source import ModelSource, resolve
 from .policy import normalise_device, plan_providers
 from .routes import Route, check_engine, choose_route
 from .runtimes import open_backend
+from .speculative import SpeculativeConfig, parse_speculative
 from .state.prompt_cache import PromptCache
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ def load(
     engine: str = "auto",
     prompt_cache: Any = None,
     kv_dtype: str = "auto",
+    speculative: str = "off",
 ) -> Model:
     """Open a model for generation.
 
@@ -83,20 +85,21 @@ def load(
     newer half of the conversation instead, and goes on. ``flash_attention=True`` trades
     bit-exact agreement with llama.cpp's defaults for speed on GGUF models.
     ``prompt_cache``: a folder (or True) keeping long prompts' KV on disk (``edgeinfer.state``).
-    ``kv_dtype``: the KV cache's type; "auto" is the model's own (float32 in ONNX graphs,
-    float16 in llama.cpp), "float16" halves the ONNX route's (README "Memory").
+    ``kv_dtype``: the KV cache's type ("auto": the model's own; "float16" halves the ONNX
+    route's, docs/memory.md). ``speculative``: requests' default (``edgeinfer.speculative``).
     """
-    cache = _check_options(context_overflow, allow_fallback, engine, prompt_cache)
+    cache, spec = _check_options(context_overflow, allow_fallback, engine, prompt_cache,
+                                 speculative)  # fmt: skip
     if parallel != "auto":
         parallel = check_parallel(parallel)
     config = LoadConfig(device=device, context_length=context_length, threads=threads,
                         flash_attention=flash_attention, kv_dtype=kv_dtype)  # fmt: skip
     named = resolve(model)
     if _is_embedding_model(named):
-        return _load_embedding_model(named, config, memory_budget, allow_fallback)
+        return _load_embedding_model(named, config, memory_budget, allow_fallback, spec)
     source, route, config = _routed(model, named, config, memory_budget, parallel, engine)
     backend, chain = _open(source, config, allow_fallback)
-    return _model(backend, source, chain, config, route, context_overflow, cache)
+    return _model(backend, source, chain, config, route, context_overflow, cache, spec)
 
 
 def _model(
@@ -107,6 +110,7 @@ def _model(
     route: Route,
     context_overflow: str,
     cache: Any = None,
+    speculative: SpeculativeConfig | None = None,
 ) -> Model:
     memory_plan = config.fit_context.plan
     logger.info("%s memory plan: %s", source.name, memory_plan.describe())
@@ -123,6 +127,7 @@ def _model(
         context_overflow=context_overflow,
         route=route.to_dict(),
         prompt_cache=cache,
+        speculative=speculative,
     )
 
 
@@ -157,10 +162,19 @@ def _is_embedding_model(named: ModelSource) -> bool:
 
 
 def _load_embedding_model(
-    named: ModelSource, config: LoadConfig, memory_budget: int | str | None, allow_fallback: bool
+    named: ModelSource,
+    config: LoadConfig,
+    memory_budget: int | str | None,
+    allow_fallback: bool,
+    spec: SpeculativeConfig,
 ) -> Model:
     """An encoder folder (embedding_load.py) or an encoder GGUF in llama.cpp's embedding mode:
     no KV cache, so a cache type asked for is a mistake, not something to ignore."""
+    if spec.on:
+        raise InvalidRequestError(
+            f"speculative={spec.method!r}: {named.name} is an embedding model and generates no "
+            "tokens; leave speculative at 'off'"
+        )
     if config.kv_dtype != "auto":
         raise InvalidRequestError(
             f"kv_dtype={config.kv_dtype!r}: {named.name} is an embedding model and has no KV "
@@ -188,9 +202,11 @@ def _source_for(named: ModelSource, route: Route, kv_dtype: str) -> ModelSource:
 
 
 def _check_options(
-    context_overflow: str, allow_fallback: bool, engine: str, prompt_cache: Any
-) -> PromptCache | None:
-    """Refuse bad options before anything is loaded; the prompt cache they name."""
+    context_overflow: str, allow_fallback: bool, engine: str, prompt_cache: Any, speculative: Any
+) -> tuple[PromptCache | None, SpeculativeConfig]:
+    """Refuse bad options before anything is loaded; the prompt cache and the speculative
+    decoding they name."""
+    spec = parse_speculative(speculative)
     check_engine(engine)
     if context_overflow not in ("stop", "slide"):
         raise InvalidRequestError(
@@ -200,7 +216,7 @@ def _check_options(
         raise InvalidRequestError(
             f"allow_fallback={allow_fallback!r} is invalid: expected True or False"
         )
-    return PromptCache.of(prompt_cache)
+    return PromptCache.of(prompt_cache), spec
 
 
 def _open(

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import generation
 from ._turns import Turns
-from .chat import encode_chat, render_chat
+from .chat import encode_messages, render_chat
 from .embedding import EmbedResult, embed_for_model, require_generation
 from .engine import Engine
 from .errors import EdgeInferError, InvalidRequestError
@@ -23,6 +23,7 @@ from .many import Request, collect_in_order, read_request
 from .memory import MemoryPlan
 from .model_parts import attach_cache, checked_token_ids, signals_held
 from .sampling import Sampler, SamplingConfig
+from .speculative import OFF, PassCosts, SpeculativeConfig, for_request
 from .state import session
 from .state.sequence import SeqStates
 from .tools import ToolRequest
@@ -54,6 +55,7 @@ class Model:
         context_overflow: str = "stop",
         route: Mapping[str, Any] | None = None,
         prompt_cache: Any = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         if context_overflow not in ("stop", "slide"):
             raise InvalidRequestError(
@@ -75,6 +77,7 @@ class Model:
         self._route = dict(route) if route is not None else None
         self._states: SeqStates | None = None  # save_state / load_state, made when first used
         self._disk = attach_cache(prompt_cache, backend, path, memory_plan)
+        self._speculative, self._costs = speculative or OFF, PassCosts()  # see speculative.py
         # parallel > 1: one engine thread steps every caller's sequence together
         self._engine = None
         if getattr(backend, "n_slots", 1) > 1:
@@ -269,22 +272,10 @@ class Model:
             raise InvalidRequestError(message) from exc
         return ids, cfg, keep
 
-    def _chat_ids(
-        self,
-        messages: Messages,
-        *,
-        add_generation_prompt: bool = True,
-        parse_special_in_content: bool = False,
-        tools: Messages | None = None,
-    ) -> list[int]:
-        text = self.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tools=tools
-        )
-        bos = self._tokenizer.bos_token
-        add = not (bos and text.startswith(bos))
-        if parse_special_in_content:
-            return self._tokenizer.encode(text, add_special=add)
-        return encode_chat(self._tokenizer, text, messages, add_special=add)
+    def _chat_ids(self, messages: Messages, **options: Any) -> list[int]:
+        """Prompt ids of ``messages`` through the chat template (``chat.encode_messages``:
+        add_generation_prompt, tools, parse_special_in_content)."""
+        return encode_messages(self._tokenizer, self.chat_template, messages, **options)
 
     def _bos_len(self) -> int:
         """Tokens the tokenizer puts before any text (a BOS token, usually): kept on slides."""
@@ -488,7 +479,10 @@ class Model:
         the final chunk is handed out, so a consumer that stops there holds nothing."""
         final: Chunk | None = None
         args = (self._backend, self._history, ids, sampler, cancel, keep if self._slide else None)
-        start = partial(generation.run, *args, self._disk)
+        spec = for_request(
+            sampler.config.speculative, self._speculative, self._backend, self._costs
+        )
+        start = partial(generation.run, *args, self._disk, spec)
         with self._turns.turn(wait=wait):
             for chunk in self._open.steps(self._require_open, cancel, start):
                 if chunk.finish_reason is not None:

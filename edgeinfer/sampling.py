@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from .errors import BackendUnavailableError, InvalidRequestError, short_repr
+from .speculative import SpeculativeConfig, parse_speculative
 
 __all__ = ["MAX_LOGIT_BIAS", "Sampler", "SamplingConfig"]
 
@@ -78,10 +79,16 @@ class SamplingConfig:
     # structured output (see edgeinfer.structured): JSON, a JSON schema, a regex, a choice or
     # a Lark grammar; None is plain text
     response_format: dict[str, Any] | None = field(default=None, hash=False)
+    # speculative decoding for this request ("off", "auto", "lookup", "lookup:N"; see
+    # edgeinfer.speculative); None: the model's setting from load(speculative=...). It
+    # changes how fast tokens come, never which tokens the sampler picks.
+    speculative: SpeculativeConfig | str | None = None
 
     def __post_init__(self) -> None:
         from .structured import check_response_format
 
+        if self.speculative is not None:
+            object.__setattr__(self, "speculative", parse_speculative(self.speculative))
         object.__setattr__(self, "response_format", check_response_format(self.response_format))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))

@@ -179,6 +179,8 @@ class LlamaCppTokenizer(TokenizerBase):
 class LlamaCppBackend:
     """One llama.cpp model and context holding ``n_slots`` sequences of up to n_ctx tokens."""
 
+    multi_position_logits = True  # forward() returns every position's logits
+
     def __init__(
         self, path: Path, config: LoadConfig, header: GGUFHeader, candidate: Candidate
     ) -> None:
@@ -338,6 +340,15 @@ class LlamaCppBackend:
         self._submit(check_fits([token_id], past, self._n_ctx), slot, want_logits=True)
         return self._last_logits()
 
+    def forward(self, token_ids: Sequence[int], slot: int = 0) -> np.ndarray:
+        """Append ``token_ids`` in one pass; every position's logits [n, vocab] (a view)."""
+        past = self._past[check_slot(slot, self._n_slots)]
+        ids = check_fits(token_ids, past, self._n_ctx)
+        if len(ids) > self._chunk:
+            raise InvalidRequestError(f"forward reads {self._chunk} tokens at most, not {len(ids)}")
+        self._submit(ids, slot, want_logits=True, every=True)
+        return self._rows(len(ids))
+
     def rewind(self, n: int, slot: int = 0) -> None:
         past = self._past[check_slot(slot, self._n_slots)]
         if not 0 <= n <= past:
@@ -391,7 +402,8 @@ class LlamaCppBackend:
                 )
         return slots, [token for _, token in pairs]
 
-    def _submit(self, ids: list[int], slot: int, *, want_logits: bool) -> None:
+    def _submit(self, ids: list[int], slot: int, *, want_logits: bool, every: bool = False) -> None:
+        """``llama_decode`` ``ids`` into ``slot``, the last position's logits or every one's."""
         self._require_open()
         batch = self._batch
         n = len(ids)
@@ -402,8 +414,8 @@ class LlamaCppBackend:
             batch.pos[i] = past + i
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = slot
-            batch.logits[i] = 0
-        batch.logits[n - 1] = 1 if want_logits else 0
+            batch.logits[i] = 1 if every else 0
+        batch.logits[n - 1] = 1 if want_logits or every else 0
         self._run_batch((slot,))
         self._past[slot] += n
 

@@ -208,6 +208,12 @@ class OrtBackend:
         return bool(self._info.get("provider") == "CPUExecutionProvider")
 
     @property
+    def multi_position_logits(self) -> bool:
+        """``forward`` returns the logits of every position it reads; graphs that return the
+        last position's only cannot."""
+        return not self._last_only
+
+    @property
     def kv_nbytes(self) -> int:
         a = self._arch
         per_slot = 2 * a.num_layers * a.num_kv_heads * a.head_dim * self._n_ctx
@@ -229,6 +235,24 @@ class OrtBackend:
     def decode(self, token_id: int, slot: int = 0) -> np.ndarray:
         check_slot(slot, self._n_slots)
         return self._run(check_fits([token_id], self._slot_past[slot], self._n_ctx), slot)
+
+    def forward(self, token_ids: Sequence[int], slot: int = 0) -> np.ndarray:
+        """Append ``token_ids`` (at most one prefill chunk) in one run; the logits of every
+        one of their positions, [len(token_ids), vocab] (a fresh array)."""
+        check_slot(slot, self._n_slots)
+        ids = check_fits(token_ids, self._slot_past[slot], self._n_ctx)
+        if len(ids) > self._chunk:
+            raise InvalidRequestError(
+                f"forward takes at most {self._chunk} tokens in one run, not {len(ids)}"
+            )
+        if self._last_only:
+            raise InvalidRequestError(
+                "this graph returns the last position's logits only; forward over several "
+                "positions needs a graph with every position's logits"
+            )
+        if len(ids) == 1:
+            return self._run(ids, slot)[None, :]
+        return self._run(ids, slot, every=True)
 
     def decode_many(self, steps: Sequence[tuple[int, int]]) -> np.ndarray:
         """One run over the rows of the listed slots (see ``onnx_slots``); [k, vocab]."""
@@ -256,8 +280,9 @@ class OrtBackend:
         if self._session is None:
             raise EdgeInferError("the model is closed; load it again")
 
-    def _run(self, ids: list[int], slot: int) -> np.ndarray:
-        """One graph run over ``ids`` in ``slot``; returns the last position's logits [vocab]."""
+    def _run(self, ids: list[int], slot: int, every: bool = False) -> np.ndarray:
+        """One graph run over ``ids`` in ``slot``; returns the last position's logits [vocab]
+        (``every``: all of them, [len(ids), vocab])."""
         self._alive()
         n, past = len(ids), self._slot_past[slot]
         total = past + n
@@ -282,6 +307,8 @@ class OrtBackend:
             self._past = list(outputs[1:])  # present.* become the next step's past
         if one_buffer:
             return self._logits[0, -1]
+        if every:
+            return np.array(outputs[0].numpy()[0])
         # [vocab]: a copy of the last position's row, so the chunk's [chunk, vocab] block
         # (outputs[0]; numpy() is a view that keeps it alive) is freed before the next run
         return np.array(outputs[0].numpy()[0, -1])

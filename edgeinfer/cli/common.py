@@ -99,6 +99,13 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--stop", action="append", metavar="TEXT", help="stop before this text (repeatable)"
     )
+    g.add_argument(
+        "--speculative",
+        metavar="MODE",
+        help="speculative decoding: off, auto (prompt lookup while it pays), lookup or "
+        "lookup:N (draft up to N tokens from the prompt and the reply so far); the tokens are "
+        "the same, only faster (default: off)",
+    )
     _add_structured_flags(p)
 
 
@@ -149,6 +156,7 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "presence_penalty",
         "seed",
         "stop",
+        "speculative",
     )
     kwargs = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     response_format = _response_format(args)
