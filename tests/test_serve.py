@@ -20,6 +20,8 @@ import pytest
 
 import edgeinfer
 
+from .leakcheck import end_process
+
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
@@ -62,19 +64,22 @@ def _start(model: Path, *extra: str) -> Iterator[Server]:
     )
     reader.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            reader.join(5)
-            pytest.fail(f"the server exited: {''.join(log)[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    else:
-        process.kill()
-        pytest.fail("the server did not answer /health within 120 s")
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                reader.join(5)
+                pytest.fail(f"the server exited: {''.join(log)[-2000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            pytest.fail("the server did not answer /health within 120 s")
+    except BaseException:  # a failed start, a timeout: the server ends here
+        end_process(process)
+        raise
     try:
         yield Server(url, process, log, str(model))
     finally:
@@ -82,8 +87,8 @@ def _start(model: Path, *extra: str) -> Iterator[Server]:
         try:
             code = process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            process.kill()
             code = None
+        end_process(process)  # killed, with whatever it started, if SIGTERM did not end it
     # a graceful stop on SIGTERM ends with exit code 0 and no traceback
     assert code == 0, "".join(log)[-2000:]
     assert "Traceback" not in "".join(log), "".join(log)[-2000:]
@@ -413,3 +418,23 @@ def test_a_prompt_over_the_context_names_the_field_that_holds_it(server: Server)
             model=MODEL_ID, messages=[{"role": "user", "content": long_prompt}], max_tokens=2
         )
     assert chat.value.body["param"] == "messages"
+
+
+def test_chat_without_a_chat_template_answers_in_http_terms(
+    local: edgeinfer.Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from starlette.testclient import TestClient
+
+    from edgeinfer.serve.app import create_app
+    from edgeinfer.serve.config import ServerConfig
+
+    monkeypatch.setattr(type(local), "chat_template", property(lambda self: None))
+    client = TestClient(create_app(local, ServerConfig(name="m")), base_url="http://127.0.0.1")
+    for path, body in (
+        ("/v1/chat/completions", {"messages": MESSAGES}),
+        ("/v1/responses", {"input": "Hi"}),
+    ):
+        error = client.post(path, json=body).json()["error"]
+        assert error["code"] == "no_chat_template" and "POST /v1/completions" in error["message"]
+        assert "generate()" not in error["message"]
+    assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200

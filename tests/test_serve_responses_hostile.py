@@ -82,7 +82,8 @@ formats = st.one_of(
 def bodies(draw: Any) -> dict[str, Any]:
     """Bodies near the real shape with wrong types and values in any field; generation is
     kept short so that valid ones finish fast."""
-    body: dict[str, Any] = {"input": "Hi", "max_output_tokens": 2, "logit_bias": BAN_EOS}
+    body: dict[str, Any] = {"input": draw(st.just("Hi") | inputs), "max_output_tokens": 2}
+    body["logit_bias"] = BAN_EOS
     for key in draw(st.lists(st.sampled_from(FIELDS), max_size=4, unique=True)):
         strategy = {
             "input": inputs,

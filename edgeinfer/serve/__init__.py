@@ -21,6 +21,13 @@ A request travels through these modules, in this order:
 - ``replies``: the error bodies (one function per refusal) and the access log.
 - ``config``: ``ServerConfig``, the settings fixed at start.
 
+``/v1/responses`` runs as a chat request through the same path: ``responses`` and
+``response_items`` read its body and input items into chat messages, ``response_objects``
+builds the response and its items, ``response_stream`` writes OpenAI's Responses events,
+``response_store`` keeps responses for ``previous_response_id`` (bounded, in memory) and
+``response_routes`` answers ``GET``/``DELETE /v1/responses/{id}``. ``embeddings`` answers
+``/v1/embeddings`` (``embedding_ids``: token-id inputs).
+
 The ``serve`` command itself (flags, start-up checks, uvicorn's lifecycle) is
 ``edgeinfer/cli/serve.py``: this package never imports the CLI.
 """

@@ -9,7 +9,7 @@ L2-normalized, as OpenAI's are. Each item also says whether its input was ``trun
 model's maximum length; ``usage.prompt_tokens`` counts the tokens the model read.
 
 Token ids index the *served model's* vocabulary (``0 .. vocab_size - 1``, as
-``GET /health``'s model and ``Model.tokenize`` give them), not OpenAI's tiktoken
+``Model.tokenize`` gives them; ``GET /health`` says ``vocab_size``), not OpenAI's tiktoken
 vocabularies: an id outside it is a 400 naming the range. The model reads the ids as given
 (no [CLS]/[SEP] added: send them when the model expects them), cut at its maximum length as
 texts are. Clients that tokenize with tiktoken before sending (LangChain's

@@ -25,7 +25,14 @@ from .config import ServerConfig
 from .delivery import GenerationReply
 from .guard import key_bytes, key_matches
 from .jobs import Job
-from .replies import AccessLog, RequestLine, invalid, not_generative, unauthorized
+from .replies import (
+    AccessLog,
+    RequestLine,
+    invalid,
+    no_chat_template,
+    not_generative,
+    unauthorized,
+)
 from .response_objects import ResponseShape, new_id
 from .response_store import ResponseStore
 from .responses import parse_response
@@ -114,6 +121,7 @@ async def health(ctx: Context, request: Request) -> Response:
             "model": ctx.config.name,
             "provider": info.get("provider"),
             "context_length": info.get("context_length"),
+            "vocab_size": info.get("vocab_size"),  # the ids token-id inputs may hold
             "queue": activity["queued"],
             "busy": ctx.admission.busy,
             "activity": activity,
@@ -170,6 +178,8 @@ async def _accept(ctx: Context, request: Request, kind: str) -> tuple[Parsed, An
     _authorize(ctx, request)
     if ctx.model.info.get("kind") == "embedding":
         raise not_generative(ctx.config.name)
+    if kind != "completion" and ctx.model.chat_template is None:
+        raise no_chat_template(ctx.config.name)
     body = await read_json(request, ctx.config.max_body_bytes)
     defaults = ctx.config.sampling_defaults
     parsed: Parsed

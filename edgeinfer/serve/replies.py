@@ -20,6 +20,7 @@ __all__ = [
     "busy",
     "figures",
     "invalid",
+    "no_chat_template",
     "not_embedding",
     "not_generative",
     "server_error",
@@ -70,6 +71,17 @@ def not_generative(name: str) -> wire.WireError:
         "text-generation model for /v1/chat/completions, /v1/completions and /v1/responses",
         param="model",
         code="model_cannot_generate",
+    )
+
+
+def no_chat_template(name: str) -> wire.WireError:
+    """Chat or responses asked of a model that has no chat template."""
+    return wire.WireError(
+        400,
+        f"the model served here ({name}) has no chat template, so it cannot take messages: "
+        'POST /v1/completions with {"prompt": ...}, or serve a model that has one',
+        param="messages",
+        code="no_chat_template",
     )
 
 
