@@ -11,6 +11,7 @@ from edgeinfer.errors import ModelLoadError
 from edgeinfer.manifest import MANIFEST_NAME, Architecture, Manifest
 
 __all__ = [
+    "LOGITS_TO_KEEP",
     "check_graph",
     "check_rotary",
     "check_shared_context",
@@ -19,6 +20,9 @@ __all__ = [
     "returns_last_position_only",
 ]
 
+# An input of the native builder's graphs, int64 [1]: how many of each row's last positions
+# get logits (1 for prefill and steps, k + 1 for a speculative verify pass).
+LOGITS_TO_KEEP = "num_logits_to_keep"
 _ORT_KV_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16"}
 _PAST_KEY = re.compile(r"past_key_values\.\d+\.key")
 
@@ -63,7 +67,8 @@ def check_slots(session: Any, n_slots: int, shared: bool) -> None:
             "past_present_share_buffer is false) — load it with parallel=1, or use a folder "
             "converted by edgeinfer"
         )
-    values = [*session.get_inputs(), *session.get_outputs()]
+    inputs = [v for v in session.get_inputs() if v.name != LOGITS_TO_KEEP]  # one count for all
+    values = [*inputs, *session.get_outputs()]
     fixed = [(v.name, _batch_dim(v)) for v in values if _batch_dim(v) is not None]
     if fixed:
         name, batch = fixed[0]

@@ -33,6 +33,7 @@ from edgeinfer.rss import release_free_heap
 
 from .base import aligned_chunks, check_fits, check_slot
 from .onnx_checks import (
+    LOGITS_TO_KEEP,
     check_graph,
     check_rotary,
     check_shared_context,
@@ -108,7 +109,11 @@ class OrtBackend:
         check_slots(self._session, self._n_slots, self._shared)
         if self._shared:
             check_shared_context(self._n_ctx, arch)
-        self._last_only = returns_last_position_only(self._session)
+        # graphs that take num_logits_to_keep (the native builder's) compute one position's
+        # logits per row unless asked for more: runs bind 1, a verify pass k + 1
+        inputs = {i.name for i in self._session.get_inputs()}
+        self._counted = LOGITS_TO_KEEP in inputs
+        self._last_only = self._counted or returns_last_position_only(self._session)
         self._binding = self._session.io_binding()
         # one logits row per slot: a one-token run (or a batched step) writes its rows here
         self._logits = np.empty((self._n_slots, 1, arch.vocab_size), dtype=np.float32)
@@ -210,8 +215,8 @@ class OrtBackend:
     @property
     def multi_position_logits(self) -> bool:
         """``forward`` returns the logits of every position it reads; graphs that return the
-        last position's only cannot."""
-        return not self._last_only
+        last position's only (and take no num_logits_to_keep) cannot."""
+        return self._counted or not self._last_only
 
     @property
     def kv_nbytes(self) -> int:
@@ -245,10 +250,10 @@ class OrtBackend:
             raise InvalidRequestError(
                 f"forward takes at most {self._chunk} tokens in one run, not {len(ids)}"
             )
-        if self._last_only:
+        if not self.multi_position_logits:
             raise InvalidRequestError(
                 "this graph returns the last position's logits only; forward over several "
-                "positions needs a graph with every position's logits"
+                "positions needs a graph with every position's logits (edgeinfer convert)"
             )
         if len(ids) == 1:
             return self._run(ids, slot)[None, :]
@@ -286,7 +291,7 @@ class OrtBackend:
         self._alive()
         n, past = len(ids), self._slot_past[slot]
         total = past + n
-        one_buffer = n == 1 or self._last_only
+        one_buffer = (n == 1 or self._last_only) and not every
         if self._shared and one_buffer:
             if self._bound != (slot, 1):
                 self._bind_rows(slot, 1)
@@ -298,7 +303,8 @@ class OrtBackend:
         positions = None
         if self._has_position_ids:
             positions = np.arange(past, total, dtype=np.int64)[None, :]
-        self._execute(np.array([ids], dtype=np.int64), np.ones((1, total), np.int64), positions)
+        ids_ = np.array([ids], dtype=np.int64)
+        self._execute(ids_, np.ones((1, total), np.int64), positions, n if every else 1)
         self._slot_past[slot] = total
         if self._shared and one_buffer:  # nothing bound was allocated by the run
             return self._logits[slot, -1]
@@ -313,10 +319,15 @@ class OrtBackend:
         # (outputs[0]; numpy() is a view that keeps it alive) is freed before the next run
         return np.array(outputs[0].numpy()[0, -1])
 
-    def _execute(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray | None) -> None:
+    def _execute(
+        self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray | None, keep: int = 1
+    ) -> None:
+        """One run; ``keep``: the last positions whose logits a counting graph returns."""
         binding = self._binding
         binding.bind_cpu_input("input_ids", ids)
         binding.bind_cpu_input("attention_mask", mask)
+        if self._counted:
+            binding.bind_cpu_input(LOGITS_TO_KEEP, np.array([keep], dtype=np.int64))
         if positions is not None:
             binding.bind_cpu_input("position_ids", positions)
         try:

@@ -38,6 +38,8 @@ class Decoder:
             "attention_mask": np.ones((1, self.length), np.int64),
             **self.past,
         }
+        if any(i.name == "num_logits_to_keep" for i in self.session.get_inputs()):
+            feed["num_logits_to_keep"] = np.array([1], np.int64)
         names = [o.name for o in self.session.get_outputs()]
         outs = dict(zip(names, self.session.run(None, feed), strict=True))
         for name in self.past:

@@ -278,10 +278,23 @@ def _first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def test_llama_cpp_greedy_equals_plain_beyond_kernel_noise(tiny_gguf: Path) -> None:
-    """Through llama.cpp a pass over several positions may use other kernels than one-token
-    steps: where the tokens differ, plain decoding's top-two margin there must be tiny."""
-    with edgeinfer.load(tiny_gguf, threads=1, context_length=256) as model:
+@pytest.fixture(scope="module", params=["llama.cpp", "onnxruntime"])
+def real_model(request: pytest.FixtureRequest, tiny_gguf: Path, tmp_path_factory) -> Path:
+    """The tiny GGUF as it is (llama.cpp), or transcoded by the native builder (onnxruntime)."""
+    if request.param == "llama.cpp":
+        return tiny_gguf
+    from edgeinfer.cli import main as cli_main
+
+    out = tmp_path_factory.mktemp("spec-onnx") / "native"
+    assert cli_main(["convert", str(tiny_gguf), "-o", str(out), "--threads", "1"]) == 0
+    return out
+
+
+def test_real_engines_give_plain_greedy_tokens_beyond_kernel_noise(real_model: Path) -> None:
+    """A pass over several positions may use other kernels than one-token steps: where the
+    tokens differ, plain decoding's top-two margin there must be tiny."""
+    with edgeinfer.load(real_model, threads=1, context_length=256) as model:
+        assert model._backend.multi_position_logits
         eos = {model.tokenize("<|endoftext|>", parse_special=True)[0]: float("-inf")}
         drafted = 0
         for prompt in REAL_PROMPTS:
@@ -300,6 +313,29 @@ def test_llama_cpp_greedy_equals_plain_beyond_kernel_noise(tiny_gguf: Path) -> N
             top2 = np.sort(np.asarray(backend.prefill(ids), dtype=np.float64))[-2:]
             assert top2[1] - top2[0] < 1e-3, (prompt, at)
         assert drafted > 0
+
+
+def test_a_verify_pass_gives_what_steps_give(real_model: Path) -> None:
+    """``forward`` over k tokens returns each position's logits, as k one-token steps do
+    (within the kernels' noise), and leaves the same cache behind."""
+    with edgeinfer.load(real_model, threads=1, context_length=256) as model:
+        backend = model._backend
+        prompt = model.tokenize(REAL_PROMPTS[0])
+        tail = prompt[-6:]
+        backend.rewind(0)
+        backend.prefill(prompt[:-6])
+        rows = np.array(backend.forward(tail))
+        assert rows.shape == (6, model._tokenizer.n_vocab)
+        after = np.array(backend.decode(tail[0]))
+        backend.rewind(len(prompt) - 6)
+        steps = [np.array(backend.decode(t)) for t in tail]
+        assert backend.n_past == len(prompt)
+        for row, step in zip(rows, steps, strict=True):
+            assert np.argmax(row) == np.argmax(step)
+            np.testing.assert_allclose(row, step, atol=2e-3)
+        assert after.shape == rows[0].shape
+        model._history.tokens.clear()
+        model._history.batched = 0
 
 
 def test_the_cli_flag_reaches_the_request(tiny_gguf: Path) -> None:

@@ -4,7 +4,8 @@ its graphs:
 - inputs ``input_ids`` int64 [B, S], ``attention_mask`` int64 [B, T], and per layer
   ``past_key_values.{i}.key`` / ``.value`` float32 (or float16, the build's ``kv_dtype``)
   [B, kv_heads, P, head_dim];
-- outputs ``logits`` float32 [B, 1, vocab] (each row's last position) and
+- input ``num_logits_to_keep`` int64 [1]: how many of each row's last positions get logits;
+- outputs ``logits`` float32 [B, n, vocab] (each row's last n positions) and
   ``present.{i}.key`` / ``.value``.
 
 B ("batch_size") is the number of sequences in one run, each a row of its own cache. Row b's
@@ -22,6 +23,8 @@ output projection -> residual -> RMSNorm -> gated MLP -> residual; what an archi
 from __future__ import annotations
 
 from typing import Any
+
+from edgeinfer.runtimes.onnx_checks import LOGITS_TO_KEEP
 
 from .attention import Shared, attention, qkv, shared_inputs
 from .context import BuildContext
@@ -69,8 +72,9 @@ def graph_values(b: BuildContext) -> tuple[list[Any], list[Any]]:
     inputs = [
         make("input_ids", TensorProto.INT64, [BATCH, "sequence_length"]),
         make("attention_mask", TensorProto.INT64, [BATCH, "total_sequence_length"]),
+        make(LOGITS_TO_KEEP, TensorProto.INT64, [1]),
     ]
-    outputs = [make("logits", TensorProto.FLOAT, [BATCH, 1, s.vocab])]
+    outputs = [make("logits", TensorProto.FLOAT, [BATCH, "logits_length", s.vocab])]
     kv = TensorProto.FLOAT16 if b.kv_dtype == "float16" else TensorProto.FLOAT
     past = [BATCH, s.kv_heads, "past_sequence_length", s.head_dim]
     present = [BATCH, s.kv_heads, "total_sequence_length", s.head_dim]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgeinfer.gguf_file import TensorInfo
+from edgeinfer.runtimes.onnx_checks import LOGITS_TO_KEEP
 
 from .context import BuildContext
 from .gguf_blocks import Q4_0, Q8_0, NBitsWeight, transcode
@@ -130,19 +131,21 @@ def mlp(b: BuildContext, h: str, p: str, halves: str) -> str:
 
 
 def lm_head(b: BuildContext, x: str, embedded: Embedding) -> str:
-    """Each row's last position only (every row has the same length S), the final norm, then
-    the vocabulary projection: its own weights, or the embedding's (tied)."""
+    """Each row's last ``num_logits_to_keep`` positions (every row has the same length S; 1
+    for a prefill or a step, k + 1 for a speculative verify pass), the final norm, then the
+    vocabulary projection: its own weights, or the embedding's (tied)."""
     g = b.graph
+    start = g.node("Neg", [LOGITS_TO_KEEP])[0]
     last = g.node(
         "Slice",
         [
             x,
-            g.const("last_start", _int64([-1])),
+            start,
             g.const("last_end", _int64([np.iinfo(np.int64).max])),
             g.const("last_axis", _int64([1])),
         ],
     )[0]
-    h = rms(b, last, "output_norm.weight")
+    h = rms(b, last, "output_norm.weight")  # [B, n, hidden]
     head = b.tensors.info("output.weight")
     if head is not None:
         return linear(b, h, [head], "output")
@@ -153,8 +156,10 @@ def lm_head(b: BuildContext, x: str, embedded: Embedding) -> str:
         return matmul_nbits(b, h, "token_embd.qweight", scales, w, w.n)
     assert embedded.table is not None  # the embedding is blocks or a table
     flat = g.node("Reshape", [h, g.const("flat_shape", _int64([-1, b.shape.hidden]))])
-    logits2d = g.node("Gemm", [flat[0], embedded.table], transB=1)[0]
-    return g.node("Reshape", [logits2d, g.const("logits_shape", _int64([-1, 1, b.shape.vocab]))])[0]
+    logits2d = g.node("Gemm", [flat[0], embedded.table], transB=1)[0]  # [B * n, vocab]
+    rows = g.node("Shape", [h], end=2)[0]  # [B, n]
+    shape = g.node("Concat", [rows, g.const("vocab_dim", _int64([b.shape.vocab]))], axis=0)[0]
+    return g.node("Reshape", [logits2d, shape])[0]
 
 
 def _int64(values: list[int]) -> np.ndarray:
