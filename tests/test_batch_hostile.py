@@ -15,7 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgeinfer.batch.files import read_rows, recover
+from edgeinfer.batch.files import read_rows
+from edgeinfer.batch.output import recover
 from edgeinfer.batch.records import (
     MAX_LINE_BYTES,
     Request,

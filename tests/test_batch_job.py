@@ -273,7 +273,7 @@ def test_csv_input(tiny: Path, tmp_path: Path) -> None:
     done = cli(tiny, src, "-o", out, *GREEDY)
     assert done.returncode == 0, done.stderr
     got = records(out)
-    assert [r["id"] for r in got] == [1, 2, 3, 4]
+    assert [r["id"] for r in got] == ["1", "2", "3", "4"]  # a CSV id is its text
     assert [r["error"] is None for r in got] == [True, True, False, False]
     assert got[0]["usage"]["completion_tokens"] <= 3
 

@@ -1,20 +1,17 @@
-"""A batch job's files: the input read as rows within bounds, and the output appended so that
-no crash can damage a line already written.
+"""A batch job's input, read as rows within bounds: JSON Lines, or CSV by its suffix.
 
-The output is only ever appended, whole lines at a time with one ``os.write`` each batch, so
-a killed process leaves at most one torn last line, which :func:`recover` cuts off before a
-job resumes. Written lines reach the kernel at once (a SIGKILL cannot lose them); ``fsync``
-runs at most once a second and at the end, for power loss.
+Every row of the file becomes exactly one Row, an error row if it cannot run, so the job
+writes one record per row. A byte-order mark is read as one (UTF-8; UTF-16 for a CSV file);
+a CSV cell is text, and so is a CSV id (``007`` is the id "007", not 7). The output side
+(locking, appending, resuming) is :mod:`edgeinfer.batch.output`.
 """
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
-import logging
 import os
-import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -23,22 +20,30 @@ from ..bounded_json import open_regular, parse_json
 from ..errors import EdgeInferError, InvalidRequestError
 from ..sampling import SamplingConfig
 from .records import (
+    MAX_ID_CHARS,
     MAX_LINE_BYTES,
     Row,
     bad_row,
     oversized_row,
     parse_line,
     parse_object,
-    row_key,
 )
 
-__all__ = ["OutputFile", "count_lines", "read_rows", "recover"]
+__all__ = ["count_lines", "read_rows"]
 
-log = logging.getLogger(__name__)
+_UTF8_BOM = codecs.BOM_UTF8
+_UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+_UNREADABLE = "edgeinfer.batch.unreadable"
 
-_SYNC_EVERY_S = 1.0
-_MAX_RECORD_BYTES = 64 << 20  # a record holds one reply; a longer line is not a record
-_RECORD_DEPTH = 80  # a record holds `parsed`, whose depth the structured-output bounds limit
+
+def _unreadable(exc: UnicodeError) -> tuple[str, int]:
+    """Bytes that are not text in the file's encoding become lone surrogates, which spoil
+    only their own row (refused there), as surrogateescape does for UTF-8."""
+    assert isinstance(exc, UnicodeDecodeError)
+    return "\udcff", exc.end
+
+
+codecs.register_error(_UNREADABLE, _unreadable)
 
 
 def _open_regular(path: Path, what: str) -> BinaryIO:
@@ -71,7 +76,13 @@ def read_rows(path: Path, base: SamplingConfig) -> Iterator[Row]:
         yield from _csv_rows(path, base)
         return
     with _open_regular(path, "the input") as f:
+        if f.peek(4)[:2] in _UTF16_BOMS:
+            raise InvalidRequestError(
+                f"the input {path} is UTF-16 text; JSON Lines are UTF-8: save it as UTF-8"
+            )
         for line, raw, too_long in _lines(f):
+            if line == 1 and raw.startswith(_UTF8_BOM):
+                raw = raw[len(_UTF8_BOM) :]
             if too_long:
                 yield oversized_row(line)
             elif raw.strip():
@@ -109,10 +120,13 @@ _CSV_JSON = ("messages", "stop", "logit_bias", "response_format", "metadata")
 
 def _csv_rows(path: Path, base: SamplingConfig) -> Iterator[Row]:
     """Rows of a CSV file with a header line; empty cells are left out, numbers and JSON
-    columns (messages, response_format, ...) read from their text. Bytes that are not UTF-8
+    columns (messages, response_format, ...) read from their text. Bytes that are not text
     spoil only their own row (they are carried as surrogates, and refused there)."""
     with _open_regular(path, "the input") as f:
-        text = io.TextIOWrapper(f, encoding="utf-8", errors="surrogateescape", newline="")
+        utf16 = f.peek(4)[:2] in _UTF16_BOMS
+        encoding = "utf-16" if utf16 else "utf-8-sig"  # either takes its BOM off
+        errors = _UNREADABLE if utf16 else "surrogateescape"
+        text = io.TextIOWrapper(f, encoding=encoding, errors=errors, newline="")
         reader = csv.DictReader(text)
         while True:
             try:
@@ -122,115 +136,48 @@ def _csv_rows(path: Path, base: SamplingConfig) -> Iterator[Row]:
             except csv.Error as exc:  # a cell over csv's field limit (128 KiB), a stray NUL
                 yield bad_row(reader.line_num, f"line {reader.line_num}: unreadable CSV: {exc}")
                 continue
-            obj = _csv_object(cells, reader.line_num)
-            if isinstance(obj, str):
-                yield bad_row(reader.line_num, obj)
-            else:
-                yield parse_object(obj, reader.line_num, base)
+            yield _csv_row(cells, reader.line_num, base, "UTF-16" if utf16 else "UTF-8")
 
 
-def _csv_object(cells: dict[str | None, Any], line: int) -> Any:
+def _csv_row(cells: dict[str | None, Any], line: int, base: SamplingConfig, encoding: str) -> Row:
+    """The row of one CSV record; a row that cannot run keeps its id cell as its id."""
     obj: dict[str, Any] = {}
+    row_id = _csv_id(cells.get("id"))
     for key, cell in cells.items():
         if key is None or not isinstance(cell, str):
-            return f"line {line} has more or fewer cells than the header"
-        if not _is_utf8(key) or not _is_utf8(cell):
-            return f"line {line} is not UTF-8"
+            return bad_row(line, f"line {line} has more or fewer cells than the header", row_id)
+        if not _is_text(key) or not _is_text(cell):
+            return bad_row(line, f"line {line} is not {encoding} text", row_id)
         if cell == "":
             continue
         try:
             obj[key] = _csv_cell(key, cell, line)
         except (ValueError, EdgeInferError) as exc:
-            return f"line {line} {key}: {exc}"
-    return obj
+            return bad_row(line, f"line {line} {key}: {exc}", row_id)
+    return parse_object(obj, line, base)
+
+
+def _csv_id(cell: Any) -> str | None:
+    """The id cell's text, when it is an id (the row's own check says why it is not)."""
+    ok = isinstance(cell, str) and 0 < len(cell) <= MAX_ID_CHARS and _is_text(cell)
+    return cell if ok else None
 
 
 def _csv_cell(key: str, cell: str, line: int) -> Any:
-    digits = cell.isascii() and cell.lstrip("-").isdigit() and len(cell) <= 20
-    if key in _CSV_INTS or key == "id":
-        return int(cell) if digits else cell  # a bad number is refused by its field's check
+    if key in _CSV_INTS:  # a bad number is refused by its field's check
+        digits = cell.isascii() and cell.lstrip("-").isdigit() and len(cell) <= 20
+        return int(cell) if digits else cell
     if key in _CSV_FLOATS:
         return float(cell) if len(cell) <= 64 else cell
     if key in _CSV_JSON:
         return parse_json(cell, what=f"line {line} {key}")
-    return cell
+    return cell  # the id among them: its text, "007" as written
 
 
-def _is_utf8(text: str) -> bool:
+def _is_text(text: str) -> bool:
+    """Whether ``text`` came whole from the file (no surrogate stands for a bad byte)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         return False
     return True
-
-
-def recover(path: Path) -> Counter[str]:
-    """The ids already in the output (counted: an id may appear twice, the second time as a
-    duplicate's error record), after cutting off a torn last line a crash left."""
-    if not path.exists():
-        return Counter()
-    done: Counter[str] = Counter()
-    with _open_regular(path, "the output") as f:
-        good = 0  # bytes of whole lines
-        for n, raw in enumerate(iter(lambda: f.readline(_MAX_RECORD_BYTES + 1), b""), start=1):
-            if len(raw) > _MAX_RECORD_BYTES:
-                _record_key(b"", n, path)  # longer than any record: refused, unread
-            if not raw.endswith(b"\n"):
-                break
-            done[_record_key(raw, n, path)] += 1
-            good += len(raw)
-        size = f.seek(0, os.SEEK_END)
-    if size > good:
-        log.warning("%s: cut off a torn last line (%d bytes) a stopped job left", path, size - good)
-        with open(path, "r+b") as f:
-            f.truncate(good)
-            os.fsync(f.fileno())
-    return done
-
-
-def _record_key(raw: bytes, n: int, path: Path) -> str:
-    what = f"{path} line {n}"
-    try:
-        record = parse_json(raw, what=what, max_depth=_RECORD_DEPTH)
-    except EdgeInferError:
-        record = None
-    row_id = record.get("id") if isinstance(record, dict) else None
-    if not isinstance(row_id, (str, int)) or isinstance(row_id, bool) or "error" not in record:
-        raise InvalidRequestError(
-            f"{what} is not a record of edgeinfer batch; give another output file (the output "
-            "is appended to, so that a stopped job resumes)"
-        )
-    return row_key(row_id)
-
-
-class OutputFile:
-    """The output, opened for appending whole lines."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._synced = time.monotonic()
-
-    def append(self, lines: list[bytes]) -> None:
-        """Write ``lines`` (each ending in a newline) with one write; sync now and then."""
-        data = memoryview(b"".join(lines))
-        while data:
-            data = data[os.write(self._fd, data) :]
-        if time.monotonic() - self._synced > _SYNC_EVERY_S:
-            self.sync()
-
-    def sync(self) -> None:
-        os.fsync(self._fd)
-        self._synced = time.monotonic()
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            self.sync()
-            os.close(self._fd)
-            self._fd = -1
-
-    def __enter__(self) -> OutputFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

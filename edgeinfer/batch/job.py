@@ -6,8 +6,9 @@ rows are written as soon as every row before them is, so the output is always a 
 the whole job's output and a re-run resumes where it stopped.
 
 Ctrl-C (on the main thread) stops reading rows and finishes the ones in flight; a second
-Ctrl-C cancels those and writes only the rows finished before it; then KeyboardInterrupt is
-raised. Either way the output resumes.
+Ctrl-C cancels those and writes only the rows finished before it (a cancelled row's record is
+never written: it runs on resume); then KeyboardInterrupt is raised. Either way the output
+resumes. The output is locked for the job's life: a second job on it is refused.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..errors import EdgeInferError, InvalidRequestError
+from ..errors import EdgeInferError, InvalidRequestError, short_repr
 from ..sampling import SamplingConfig
-from .files import OutputFile, count_lines, read_rows, recover
+from .files import count_lines, read_rows
 from .meter import Meter
+from .output import OutputFile, check_output, recover
 from .records import Row, encode_record, error_record, result_record
 
 __all__ = ["BatchSummary", "run_batch", "run_row", "run_rows"]
@@ -52,9 +53,15 @@ class BatchSummary:
     seconds: float
 
 
-def run_row(model: Any, row: Row, on_stream: Callable[[Any], None] | None = None) -> dict[str, Any]:
+def run_row(
+    model: Any,
+    row: Row,
+    on_stream: Callable[[Any], None] | None = None,
+    on_tokens: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
     """The record of one row: the model's answer, or an error record. The one function the
-    local job and the Ray job share."""
+    local job and the Ray job share. ``on_stream`` gets the row's stream (to cancel it),
+    ``on_tokens`` the number of tokens of each chunk as it comes (the progress line)."""
     if row.error is not None or row.request is None:
         error = row.error or {"type": "InvalidRequestError", "message": "no request"}
         return error_record(row.id, error["type"], error["message"])
@@ -66,10 +73,42 @@ def run_row(model: Any, row: Row, on_stream: Callable[[Any], None] | None = None
             stream = model.stream(req.prompt, req.config)
         if on_stream is not None:
             on_stream(stream)
-        result = stream.collect()
+        for chunk in stream:
+            if on_tokens is not None:
+                on_tokens(len(chunk.token_ids))
+        result = stream.result
     except EdgeInferError as exc:  # too long for the context, a bad grammar, no template...
         return error_record(row.id, type(exc).__name__, str(exc))
+    if result.format_incomplete:
+        log.warning(
+            "row %s (line %d): the reply ended after %d tokens (max_tokens or the context) "
+            "before its response_format was complete: its text does not match the format; "
+            "raise max_tokens",
+            short_repr(row.id, 40),
+            row.line,
+            result.stats.completion_tokens,
+        )
     return result_record(row.id, result)
+
+
+class RowWarnings(logging.Filter):
+    """Drops the generation loop's unnamed warning that a reply stopped before its format
+    was complete: during a batch job :func:`run_row` says it, naming the row."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "before its response_format was complete" not in str(record.msg)
+
+
+@contextmanager
+def row_warnings() -> Iterator[None]:
+    """Warnings about a row name the row, for as long as the job runs."""
+    generation_log = logging.getLogger("edgeinfer.generation")
+    quiet = RowWarnings()
+    generation_log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        generation_log.removeFilter(quiet)
 
 
 def run_rows(model: Any, rows: Sequence[Row], window: int) -> list[dict[str, Any]]:
@@ -98,9 +137,9 @@ def run_batch(
     resumes it. Ctrl-C: see the module's doc; KeyboardInterrupt is raised once the output
     is left in a state that resumes.
     """
-    src, dst = Path(in_path), Path(out_path)
+    src = Path(in_path)
+    dst = check_paths(src, out_path)
     base = SamplingConfig.from_kwargs(config, **sampling)
-    check_paths(src, dst)
     if isinstance(model, (str, os.PathLike)):
         from ..loader import load
 
@@ -116,19 +155,16 @@ def run_batch(
                 progress_stream=progress_stream,
             )
     slots = parallel or int(getattr(model, "parallel", 1))
-    done = recover(dst)
-    meter = Meter(count_lines(src) - sum(done.values()), progress_stream, enabled=progress)
-    job = _Job(model, 2 * max(1, slots), meter)
-    plan = Plan(done)
-    try:
-        with OutputFile(dst) as out, job.running(out), _interrupts(job):
+    with OutputFile(dst) as out:  # locked: a second job on it is refused
+        plan = Plan(recover(dst))
+        meter = Meter(count_lines(src) - plan.done, progress_stream, enabled=progress)
+        job = _Job(model, 2 * max(1, slots), meter)
+        with meter.showing(), row_warnings(), job.running(out), _interrupts(job):
             for row in plan.pending(read_rows(src, base)):
                 if job.stopping:
                     break
                 job.submit(row)
             job.drain()
-    finally:
-        meter.close()
     summary = BatchSummary(dst, job.written, job.errors, plan.skipped, meter.tokens, meter.seconds)
     if job.stopping:
         log.warning(
@@ -140,11 +176,11 @@ def run_batch(
     return summary
 
 
-def check_paths(src: Path, dst: Path) -> None:
-    if dst.exists() and src.exists() and dst.resolve() == src.resolve():
-        raise InvalidRequestError(f"the output {dst} is the input; write the output elsewhere")
-    if not dst.parent.is_dir():
-        raise InvalidRequestError(f"the output's folder {dst.parent} does not exist")
+def check_paths(src: Path, out: str | os.PathLike[str]) -> Path:
+    """The output's path, once the input is a file and the output may hold the records."""
+    if not src.is_file():
+        raise InvalidRequestError(f"the input {src} is not a file")
+    return check_output(out, src)
 
 
 class Plan:
@@ -153,6 +189,7 @@ class Plan:
 
     def __init__(self, done: Counter[str]) -> None:
         self._done = done
+        self.done = sum(done.values())  # records already in the output
         self._seen: Counter[str] = Counter()
         self._first: dict[str, int] = {}
         self.skipped = 0
@@ -179,14 +216,16 @@ class _Job:
     def __init__(self, model: Any, window: int, meter: Meter) -> None:
         self._model = model
         self._window = window
-        self._meter = meter
+        self.meter = meter
         self._queue: deque[tuple[Row, Future[dict[str, Any]] | dict[str, Any]]] = deque()
         self._streams: set[Any] = set()
+        self._unfinished: set[Future[dict[str, Any]]] = set()  # in flight at the abandon
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._out: OutputFile | None = None
         self.stopping = False  # first Ctrl-C: read no more rows
         self.abandoned = False  # second Ctrl-C: cancel the rows in flight
+        self._cut_short: Row | None = None  # a row cancelled by something else than Ctrl-C
         self.written = 0
         self.errors = 0
 
@@ -212,20 +251,32 @@ class _Job:
         if row.error is not None:
             self._queue.append((row, run_row(self._model, row)))
         else:
-            self._queue.append((row, self._pool.submit(run_row, self._model, row, self._track)))
+            args = (self._model, row, self._track, self.meter.streamed)
+            self._queue.append((row, self._pool.submit(run_row, *args)))
         self._write_ready()
+        self.meter.tick(self._busy)
 
     def drain(self) -> None:
         while self._queue and not self.abandoned:
             self._wait_head()
         self._write_ready()
+        if self._cut_short is not None:
+            raise EdgeInferError(
+                f"row {short_repr(self._cut_short.id, 40)} (line {self._cut_short.line}) was "
+                f"cancelled before it finished (was the model closed?); {self.written} records "
+                "were written: run the same command again to resume"
+            )
 
     def stop(self) -> None:
         """First Ctrl-C: read no more rows, finish those in flight."""
         self.stopping = True
 
     def abandon(self) -> None:
-        """Second Ctrl-C: cancel the rows in flight; the written output stays a prefix."""
+        """Second Ctrl-C: cancel the rows in flight; none of them is written (each runs
+        again on resume), so the output stays a prefix of the whole job's."""
+        self._unfinished.update(
+            item for _, item in list(self._queue) if isinstance(item, Future) and not item.done()
+        )
         self.stopping = self.abandoned = True
         with self._lock:
             streams = list(self._streams)
@@ -246,21 +297,17 @@ class _Job:
         if isinstance(head, Future):
             wait([head], timeout=_POLL_S)
         self._write_ready()
+        self.meter.tick(self._busy)
 
     def _write_ready(self) -> None:
         """Append every finished row at the head of the queue, in one write."""
         lines: list[bytes] = []
         tokens = errors = 0
         while self._queue:
-            item = self._queue[0][1]
-            if isinstance(item, Future):
-                if not item.done():
-                    break
-                record = item.result()
-                if self.abandoned and record["finish_reason"] == "cancelled":
-                    break  # cut short by the second Ctrl-C: it runs again on resume
-            else:
-                record = item
+            row, item = self._queue[0]
+            record = self._finished(row, item)
+            if record is None:
+                break
             self._queue.popleft()
             lines.append(encode_record(record))
             errors += record["error"] is not None
@@ -269,7 +316,22 @@ class _Job:
             self._out.append(lines)
             self.written += len(lines)
             self.errors += errors
-            self._meter.add(len(lines), tokens, errors)
+            self.meter.add(len(lines), tokens, errors)
+
+    def _finished(self, row: Row, item: Future[dict[str, Any]] | dict[str, Any]) -> Any:
+        """The record to write for the head of the queue, or None: still running, or never
+        finished (cancelled), which is never written, so that it runs again on resume."""
+        if not isinstance(item, Future):
+            return item
+        if not item.done() or item in self._unfinished:
+            return None
+        record = item.result()
+        if record["finish_reason"] != "cancelled":
+            return record
+        if not self.abandoned:  # cancelled by something else: the job cannot go on
+            self._cut_short = row
+            self.abandon()
+        return None
 
 
 @contextmanager
@@ -286,10 +348,7 @@ def _interrupts(job: _Job) -> Iterator[None]:
     def on_sigint(signum: int, frame: Any) -> None:
         if not job.stopping:
             job.stop()
-            print(
-                "\nedgeinfer: finishing the rows in flight (Ctrl-C again abandons them)",
-                file=sys.stderr,
-            )
+            job.meter.note("edgeinfer: finishing the rows in flight (Ctrl-C again abandons them)")
         else:
             job.abandon()
             signal.signal(signal.SIGINT, previous)

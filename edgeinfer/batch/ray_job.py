@@ -6,7 +6,9 @@ The rows are read and checked here (the same bounds, duplicate ids and resume as
 job); the actors run them with the function the local job uses (:func:`run_row`), each with
 up to two requests per sequence slot in flight. Every worker loads the model itself: a
 catalog name from its own ``$EDGEINFER_HOME`` (fetched there if missing), or a path that all
-workers see (a shared folder). Ctrl-C stops the job; the output resumes.
+workers see (a shared folder). Ctrl-C stops the job; the output resumes. The output is
+locked for the job's life, and Ray's own refusals (an address it cannot reach, a worker that
+cannot load the model) are one BackendUnavailableError that says what to check.
 """
 
 from __future__ import annotations
@@ -16,21 +18,23 @@ import os
 import pickle
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-from ..errors import BackendUnavailableError
+from ..errors import BackendUnavailableError, EdgeInferError
 from ..sampling import SamplingConfig
-from .files import OutputFile, read_rows, recover
-from .job import BatchSummary, Plan, check_paths, run_rows
+from .files import read_rows
+from .job import BatchSummary, Plan, RowWarnings, check_paths, run_rows
 from .meter import Meter
+from .output import OutputFile, recover
 from .records import Row, encode_record
 
 __all__ = ["RowActor", "run_ray_batch"]
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 _ROWS_PER_CALL = 4  # rows per map_batches call, per request the actor keeps in flight
 
 
@@ -45,6 +49,7 @@ class RowActor:
     ) -> None:
         from ..loader import load
 
+        logging.getLogger("edgeinfer.generation").addFilter(RowWarnings())  # run_row names rows
         self._model = load(model, **dict(load_options))
         if chat_template is not None:
             self._model.use_chat_template(chat_template)
@@ -87,30 +92,60 @@ def run_ray_batch(
     """``run_batch`` on Ray: ``actors`` actors, each loading ``model`` with
     ``load_options`` (``parallel=N`` among them). Uses the Ray this process is connected to,
     or connects to ``address`` (None: a local Ray, or $RAY_ADDRESS) and disconnects after."""
-    src, dst = Path(in_path), Path(out_path)
+    src = Path(in_path)
+    dst = check_paths(src, out_path)
     base = SamplingConfig.from_kwargs(config, **sampling)
-    check_paths(src, dst)
-    plan = Plan(recover(dst))
-    rows = list(plan.pending(read_rows(src, base)))
-    meter = Meter(len(rows), enabled=progress)
-    ray = _ray()
-    started = bool(rows) and not ray.is_initialized()
-    if started:
-        ray.init(address=address, logging_level=logging.WARNING)
-    written = errors = 0
-    try:
-        options = dict(load_options or {})
-        batches = _dataset(ray, rows, str(model), actors, options, chat_template)
-        with OutputFile(dst) as out:
-            for lines, tokens, failed in _in_order(batches):
-                out.append(lines)
-                written, errors = written + len(lines), errors + failed
-                meter.add(len(lines), tokens, failed)
-    finally:
-        meter.close()
+    with OutputFile(dst) as out:  # locked: a second job on it is refused
+        plan = Plan(recover(dst))
+        rows = list(plan.pending(read_rows(src, base)))
+        meter = Meter(len(rows), enabled=progress)
+        ray = _ray()
+        started = bool(rows) and not ray.is_initialized()
         if started:
-            ray.shutdown()
-    return BatchSummary(dst, written, errors, plan.skipped, meter.tokens, meter.seconds)
+            _start_ray(ray, address)
+        try:
+            options = dict(load_options or {})
+            with meter.showing():
+                batches = _dataset(ray, rows, str(model), actors, options, chat_template)
+                for lines, tokens, failed in _ray_errors(ray, _in_order(batches), meter):
+                    out.append(lines)
+                    meter.add(len(lines), tokens, failed)
+        finally:
+            if started:
+                ray.shutdown()
+    return BatchSummary(dst, meter.rows, meter.errors, plan.skipped, meter.tokens, meter.seconds)
+
+
+def _start_ray(ray: Any, address: str | None) -> None:
+    """``ray.init``, whose many refusals (an address it cannot reach or parse, a cluster of
+    another version) become one error naming the fix."""
+    try:
+        ray.init(address=address, logging_level=logging.WARNING)
+    except Exception as exc:  # Ray raises ConnectionError, ValueError, RuntimeError...
+        where = f"at {address}" if address else "(a local one, or $RAY_ADDRESS)"
+        raise BackendUnavailableError(
+            f"Ray did not start {where}: {_first_line(exc)}; check --ray ADDRESS (or "
+            "$RAY_ADDRESS and the cluster), or run without --ray"
+        ) from exc
+
+
+def _ray_errors(ray: Any, items: Iterator[_T], meter: Meter) -> Iterator[_T]:
+    """``items``, with a failure inside Ray (a worker that cannot load the model, a lost
+    actor) as one error; the records written before it are kept."""
+    try:
+        yield from items
+    except ray.exceptions.RayError as exc:
+        cause = getattr(exc, "cause", None)
+        reason = str(cause) if isinstance(cause, EdgeInferError) else _first_line(exc)
+        raise BackendUnavailableError(
+            f"the Ray job failed: {reason}; the {meter.rows} records written are kept: fix "
+            "that and run the same command again to resume"
+        ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else 'no reason given'}"[:300]
 
 
 def _dataset(

@@ -110,9 +110,10 @@ def oversized_row(line: int) -> Row:
     return bad_row(line, f"line {line} is longer than {MAX_LINE_BYTES:,} bytes")
 
 
-def bad_row(line: int, message: str) -> Row:
-    """An error row for a line that could not be read; its id is its line number."""
-    return _error_row(line, None, message)
+def bad_row(line: int, message: str, row_id: str | int | None = None) -> Row:
+    """An error row for a line that could not be read; its id is ``row_id`` when that could
+    be read, else its line number."""
+    return _error_row(line, row_id, message)
 
 
 def parse_object(value: Any, line: int, base: SamplingConfig) -> Row:

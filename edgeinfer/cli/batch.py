@@ -28,8 +28,9 @@ _ROWS = (
     "min_p, repetition_penalty, seed, stop, logit_bias, response_format (as the server takes "
     "them; the flags below are the defaults). A .csv file with a header line works too. Each "
     "line of OUT is {id, text, finish_reason, usage, parsed, error}; a bad row gets an error "
-    "record and the job goes on. Ctrl-C finishes the rows in flight (twice: abandons them); "
-    "the same command then resumes, skipping the ids already in OUT."
+    'record and the job goes on (a CSV id is its text: 007 stays "007"). Ctrl-C finishes '
+    "the rows in flight (twice: abandons them); the same command then resumes, skipping the "
+    "ids already in OUT. One job at a time writes OUT: a second one is refused."
 )
 
 
@@ -79,6 +80,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     sampling = sampling_kwargs(args)
     options = load_options(args, parallel)
     template = _template(args)
+    _check_files(args)  # before the model takes seconds to load
     try:
         summary = _run(args, options, template, sampling)
     except KeyboardInterrupt:
@@ -121,6 +123,13 @@ def _template(args: argparse.Namespace) -> str | None:
     return resolve_chat_template(args.chat_template)
 
 
+def _check_files(args: argparse.Namespace) -> None:
+    from ..batch.job import check_paths
+    from ..batch.output import check_free
+
+    check_free(check_paths(Path(args.input), args.output))
+
+
 def _run_here(
     args: argparse.Namespace,
     options: dict[str, Any],
@@ -130,8 +139,6 @@ def _run_here(
     from ..batch import run_batch
     from ..loader import load
 
-    if not Path(args.input).is_file():  # before the model takes seconds to load
-        raise InvalidRequestError(f"the input {args.input} is not a file")
     with load(args.model, **options) as model:
         if template is not None:
             model.use_chat_template(template)
