@@ -311,3 +311,38 @@ def test_openai_agents_runs_a_function_tool(hermes: Server) -> None:  # noqa: F8
     run = asyncio.run(streamed())
     assert len(calls) == 2 and calls[1] in ("UTC", "CET") and run.is_complete
     assert [item.type for item in run.new_items] == kinds
+
+
+def test_events_close_the_message_before_a_call_and_a_failure_ends_the_stream() -> None:
+    """The event builder alone: text, a call, more text; and a generation failing mid-way."""
+    from edgeinfer.generation import Chunk, GenerationResult, GenerationStats
+    from edgeinfer.serve.response_objects import ResponseShape
+    from edgeinfer.serve.response_store import ResponseStore
+    from edgeinfer.serve.response_stream import Events
+
+    store = ResponseStore()
+    shape = ResponseShape("resp_1", "m", 0, {}, {}, [{"role": "user", "content": "q"}], store)
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    events = Events(shape)
+    out = events.opening() + events.chunk(Chunk("a", (1,)))
+    out += events.chunk(Chunk("b", (2,), tool_calls=(call,))) + events.chunk(Chunk("c", (3,)))
+    stats = GenerationStats(3, 3, 0, 0.1, 1.0, 1.0, 0.2)
+    out += events.end(GenerationResult("abc", (1, 2, 3), "tool_calls", stats, tool_calls=(call,)))
+    kinds = [e["type"].removeprefix("response.") for e in out]
+    item = ["output_item.added", "content_part.added"]
+    text_done = ["output_text.done", "content_part.done", "output_item.done"]
+    call_events = ["function_call_arguments.delta", "function_call_arguments.done"]
+    assert kinds == [
+        "created", "in_progress", *item, "output_text.delta", "output_text.delta", *text_done,
+        "output_item.added", *call_events, "output_item.done", *item, "output_text.delta",
+        *text_done, "completed",
+    ]  # fmt: skip
+    final = out[-1]["response"]
+    assert [o["type"] for o in final["output"]] == ["message", "function_call", "message"]
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    assert store.get("resp_1").messages[-1]["tool_calls"] == [call]  # kept for the next turn
+    failing = Events(shape)
+    ends = failing.chunk(Chunk("a", (1,))) + failing.failed({"message": "boom", "code": None})
+    assert [e["type"] for e in ends[-2:]] == ["error", "response.failed"]
+    assert ends[-1]["response"]["status"] == "failed"
+    assert ends[-1]["response"]["error"] == {"code": "server_error", "message": "boom"}
