@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from ..errors import ChatTemplateError, InvalidRequestError
 from ._budget import Abort, Budget, Guard, current, messages_size, traced
+from ._slots import Marks, RenderedChat, align
 from .tool_messages import ToolTurns
 
 __all__ = [
@@ -40,7 +41,9 @@ __all__ = [
     "OUTPUT_LIMIT_PER_MESSAGE_CHAR",
     "RENDER_DEADLINE_S",
     "WORK_FACTOR",
+    "RenderedChat",
     "render_chat",
+    "render_chat_pieces",
     "validate_messages",
 ]
 
@@ -96,14 +99,69 @@ def render_chat(
 ) -> str:
     """The prompt text for ``messages``, as the model was trained to see it; ``tools`` (in
     OpenAI's shape) reach the template as its ``tools`` variable, as Hugging Face's do."""
+    source = _source(template)
+    context = _context(validate_messages(messages), tools, bos_token, eos_token)
+    return _render(source, context, add_generation_prompt)
+
+
+def render_chat_pieces(
+    template: str | None,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    bos_token: str | None,
+    eos_token: str | None,
+    add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> RenderedChat:
+    """``render_chat``'s text, with what of it the template wrote and where the caller's
+    strings lie, found by construction (see _slots): the template renders a second time
+    with a sentinel in place of each string of the messages and tools."""
+    source = _source(template)
+    checked = validate_messages(messages)
+    context = _context(checked, tools, bos_token, eos_token)
+    text = _render(source, context, add_generation_prompt)
+    marks = Marks(f"{source}{bos_token}{eos_token}", checked, tools)
+    if not marks.values:  # nothing the caller wrote can spell markup
+        return RenderedChat(text, text, ((text, False),) if text else (), ())
+    stand_ins = _context(marks.mark(checked), marks.mark(tools), bos_token, eos_token)
+    try:
+        skeleton = _render(source, stand_ins, add_generation_prompt)
+    except ChatTemplateError:  # the template refused the stand-ins
+        return RenderedChat(text, None, None, tuple(marks.values))
+    pieces = align(text, skeleton, marks, _ENCODERS)
+    return RenderedChat(text, skeleton, pieces, tuple(marks.values))
+
+
+def _source(template: str | None) -> str:
     if not template:
         raise ChatTemplateError(
             "this model has no chat template; use generate()/stream() with a plain prompt"
         )
     if not isinstance(template, str):
         raise ChatTemplateError(f"the model's chat template is a {type(template).__name__}")
-    checked = validate_messages(messages)
-    size = messages_size(checked) + (
+    return template
+
+
+def _context(
+    messages: list[dict[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    bos_token: str | None,
+    eos_token: str | None,
+) -> dict[str, Any]:
+    context: dict[str, Any] = {
+        "messages": messages,
+        "bos_token": bos_token or "",
+        "eos_token": eos_token or "",
+    }
+    if tools:
+        context["tools"] = [dict(t) for t in tools]
+    return context
+
+
+def _render(template: str, context: dict[str, Any], add_generation_prompt: bool) -> str:
+    """One render of ``template`` within the bounds (time, size, memory) of module doc."""
+    tools = context.get("tools")
+    size = messages_size(context["messages"]) + (
         messages_size([{"role": "", "content": "", "t": tools}]) if tools else 0
     )
     limit = OUTPUT_LIMIT_CHARS + OUTPUT_LIMIT_PER_MESSAGE_CHAR * size
@@ -111,15 +169,32 @@ def render_chat(
     budget = Budget(
         limit, WORK_FACTOR * limit, deadline, RENDER_DEADLINE_S, INT_LIMIT_BITS, CALL_DEPTH_LIMIT
     )
-    context = {
-        "messages": checked,
-        "add_generation_prompt": add_generation_prompt,
-        "bos_token": bos_token or "",
-        "eos_token": eos_token or "",
-    }
-    if tools:
-        context["tools"] = [dict(t) for t in tools]
+    context = {**context, "add_generation_prompt": add_generation_prompt}
     return _bounded(budget, lambda: _compile_and_render(template, context, budget))
+
+
+def _json_text(value: str) -> str:
+    """What the sandbox's ``tojson`` writes of a string inside its quotes."""
+    from jinja2.utils import htmlsafe_json_dumps
+
+    policies = _environment().policies
+    dumps = policies["json.dumps_function"]
+    return htmlsafe_json_dumps(value, dumps=dumps, **policies["json.dumps_kwargs"])[1:-1]
+
+
+def _html_text(value: str) -> str:
+    from markupsafe import escape
+
+    return str(escape(value))
+
+
+def _python_text(value: str) -> str:
+    """A string as ``str()`` of a list or dict holding it writes it, inside single quotes."""
+    text = repr(value)
+    return text[1:-1] if text[0] == "'" else value  # in double quotes: no reading
+
+
+_ENCODERS = (_json_text, _html_text, _python_text)
 
 
 def _compile_and_render(template: str, context: dict[str, Any], budget: Budget) -> str:

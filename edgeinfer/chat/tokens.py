@@ -1,10 +1,14 @@
-"""Chat prompts to token ids, with message content read as plain text.
+"""Chat prompts to token ids, with the caller's strings read as plain text.
 
 A chat template's own markup (``<|im_start|>user``) becomes special tokens; the text of the
 messages must not: a user who types ``<|im_start|>system`` would otherwise forge a system
-turn. Content that spells a special token is found in the rendered prompt and tokenized with
-special-token parsing off; everything else is tokenized as one text, so ordinary chats get
-exactly the ids of a plain ``encode``.
+turn. Where the template's text ends and a message's begins is known by construction (see
+_slots: the template renders a second time with sentinels for the caller's strings); the
+prompt is never searched for a message's text. A prompt whose special tokens are those of
+that second render (the skeleton: template text and harmless stand-ins) is tokenized as one
+text, so ordinary chats get exactly the ids of a plain ``encode``; otherwise the strings
+that spell special tokens are tokenized with special-token parsing off, apart from the
+template's text.
 """
 
 from __future__ import annotations
@@ -13,11 +17,13 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ChatTemplateError
+from ._slots import Piece, RenderedChat
+from .template import render_chat, render_chat_pieces
 
 if TYPE_CHECKING:
     from ..runtimes.base import Tokenizer
 
-__all__ = ["encode_chat", "encode_plain"]
+__all__ = ["encode_chat", "encode_messages", "encode_plain"]
 
 # Characters that open a special token's text; content is cut after them when an engine
 # still matches a special token with special-token parsing off (llama.cpp always matches
@@ -55,47 +61,95 @@ def _cut_after(text: str, opener: str) -> list[str]:
     return [part + opener for part in parts[:-1]] + [parts[-1]] if len(parts) > 1 else [text]
 
 
-def encode_chat(
-    tokenizer: Tokenizer, text: str, messages: Sequence[Mapping[str, Any]], *, add_special: bool
+def encode_messages(
+    tokenizer: Tokenizer,
+    template: str | None,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    parse_special_in_content: bool = False,
 ) -> list[int]:
-    """Ids of the rendered chat ``text``; the contents of ``messages`` that spell special
-    tokens are located in ``text`` (in order) and read as plain text."""
-    spans = _special_content_spans(tokenizer, text, messages)
-    if not spans:
-        return tokenizer.encode(text, add_special=add_special)
+    """The prompt ids of ``messages`` through ``template``: the BOS token is added unless the
+    template writes it, and the caller's strings are read as plain text (see encode_chat)
+    unless ``parse_special_in_content``."""
+    bos, eos = tokenizer.bos_token, tokenizer.eos_token
+    if parse_special_in_content:
+        text = render_chat(
+            template,
+            messages,
+            bos_token=bos,
+            eos_token=eos,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+        )
+        return tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))
+    rendered = render_chat_pieces(
+        template,
+        messages,
+        bos_token=bos,
+        eos_token=eos,
+        add_generation_prompt=add_generation_prompt,
+        tools=tools,
+    )
+    own = rendered.text if rendered.skeleton is None else rendered.skeleton
+    add = not (bos and own.startswith(bos))  # the template's own text, not a message's
+    return encode_chat(tokenizer, rendered, add_special=add)
+
+
+def encode_chat(tokenizer: Tokenizer, rendered: RenderedChat, *, add_special: bool) -> list[int]:
+    """Ids of ``rendered.text`` in which no string of the caller's becomes a special token:
+    the special tokens are the template's own, in the template's places."""
+    ids = tokenizer.encode(rendered.text, add_special=add_special)
+    if rendered.skeleton == rendered.text:  # the template wrote none of the caller's text
+        return ids
+    reference = None
+    if rendered.skeleton is not None:
+        skeleton = tokenizer.encode(rendered.skeleton, add_special=add_special)
+        reference = _textless(tokenizer, skeleton)
+        if _textless(tokenizer, ids) == reference:
+            return ids
+    elif not any(_has_textless(tokenizer, _encode(tokenizer, v)) for v in rendered.values):
+        return ids  # the template refused the stand-ins; no string spells a special token
+    if rendered.pieces is None:
+        raise ChatTemplateError(
+            "a message holds text that reads as special tokens, and this chat template "
+            "changes message text in a way that cannot be traced, so that text cannot be kept "
+            "plain; remove it, or pass parse_special_in_content=True if it is meant as markup"
+        )
+    pieces = rendered.pieces
+    spelled = [own and _has_textless(tokenizer, _encode(tokenizer, t)) for t, own in pieces]
+    ids = _encode_pieces(tokenizer, pieces, spelled, add_special)
+    if _textless(tokenizer, ids) == reference:
+        return ids
+    # a string makes a special token together with the text beside it: all apart
+    return _encode_pieces(tokenizer, pieces, [own for _, own in pieces], add_special)
+
+
+def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special=False)
+
+
+def _textless(tokenizer: Tokenizer, ids: Sequence[int]) -> list[int]:
+    return [t for t in ids if tokenizer.token_bytes(t) == b""]
+
+
+def _encode_pieces(
+    tokenizer: Tokenizer, pieces: Sequence[Piece], apart: Sequence[bool], add_special: bool
+) -> list[int]:
+    """Ids of the pieces' text: each piece marked ``apart`` read as plain text on its own,
+    the text between them as one text with special tokens."""
     ids: list[int] = []
-    pos = 0
-    for start, end in spans:
-        ids += tokenizer.encode(text[pos:start], add_special=add_special and pos == 0)
-        ids += encode_plain(tokenizer, text[start:end])
-        pos = end
-    if pos < len(text):
-        ids += tokenizer.encode(text[pos:], add_special=False)
+    run: list[str] = []
+    first = True
+    for (text, _), alone in zip(pieces, apart, strict=True):
+        if not alone:
+            run.append(text)
+            continue
+        if run or first:
+            ids += tokenizer.encode("".join(run), add_special=add_special and first)
+        run, first = [], False
+        ids += encode_plain(tokenizer, text)
+    if run or first:
+        ids += tokenizer.encode("".join(run), add_special=add_special and first)
     return ids
-
-
-def _special_content_spans(
-    tokenizer: Tokenizer, text: str, messages: Sequence[Mapping[str, Any]]
-) -> list[tuple[int, int]]:
-    spans: list[tuple[int, int]] = []
-    pos = 0
-    for i, message in enumerate(messages):
-        content = message.get("content")
-        if not isinstance(content, str) or not content:
-            continue
-        if not _has_textless(tokenizer, tokenizer.encode(content, add_special=False)):
-            continue
-        start = text.find(content, pos)
-        needle = content
-        if start < 0:  # templates may trim content
-            needle = content.strip()
-            start = text.find(needle, pos) if needle else -1
-        if start < 0:
-            raise ChatTemplateError(
-                f"messages[{i}] holds special-token text that the chat template changes, so "
-                "it cannot be kept as plain text; remove it, or pass "
-                "parse_special_in_content=True if it is meant as markup"
-            )
-        spans.append((start, start + len(needle)))
-        pos = start + len(needle)
-    return spans
