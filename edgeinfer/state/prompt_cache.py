@@ -5,18 +5,28 @@ taken once the first token is out and written in a background thread (atomically
 stalling the reply). A later request, in this process or another, whose prompt shares at
 least ``min_tokens`` leading tokens with a snapshot (rounded down to the reuse granule, and
 more than the KV in memory already holds) has that prefix read from disk and prefills only
-the rest. The folder is capped at ``max_bytes``: the least recently used snapshots go first.
+the rest. The snapshots it wrote are capped at ``max_bytes``: the least recently used (the
+oldest mtime; a restore touches its file) go first.
 
 Files that are not usable snapshots of this model (another model, engine version or settings,
 truncated, corrupt, not snapshots, symlinks) are skipped with one warning each and counted in
 ``stats["ignored_files"]``: never a wrong answer, never a crash.
+
+The cache deletes only what it can prove it wrote: a regular file whose header is a valid
+snapshot header (magic, format, checksum, the file's size) and whose name is the hash of that
+header's fingerprint and tokens, and its own temporary files (``.<that name>.<pid>.tmp``).
+Anything else in the folder (``notes.kvs``, a ``save_state`` file, a symlink) is never deleted
+nor counted against ``max_bytes``; ``stats["foreign_files"]`` counts what the last eviction
+left alone and ``stats["foreign_names"]`` names some of them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -44,6 +54,9 @@ SUFFIX = ".kvs"
 _GRANULE = 32  # generation.REUSE_GRANULE (not imported: generation imports this package)
 _MIN_PREFILL = 2  # generation._MIN_PREFILL
 _STALE_TMP_S = 3600.0
+_OWN_NAME = re.compile(r"[0-9a-f]{40}\.kvs")
+_OWN_TMP = re.compile(r"\.[0-9a-f]{40}\.kvs\.[0-9]{1,10}\.tmp")
+_NAMES_SHOWN = 16
 
 
 def default_dir() -> Path:
@@ -57,6 +70,7 @@ class _Entry:
     reusable: int
     size: int
     fingerprint: dict[str, Any]
+    own: bool = True  # written by a prompt cache (its name is the hash of what it holds)
 
 
 class PromptCache:
@@ -90,12 +104,14 @@ class PromptCache:
         self.min_tokens = min_tokens
         self._lock = threading.RLock()
         self._entries: dict[str, _Entry] = {}
-        self._seen: dict[str, tuple[int, int]] = {}  # name -> (size, mtime_ns) when read
+        self._seen: dict[str, tuple[int, ...]] = {}  # name -> its stat stamp when read
+        self._proved: dict[str, tuple[int, ...]] = {}  # own files: name -> stamp when proved
+        self._foreign: list[str] = []
         self._warned: set[str] = set()
         self._writer: threading.Thread | None = None
         self._counts = dict.fromkeys(
             ("hits", "disk_tokens", "writes", "write_failures", "skipped_writes",
-             "ignored_files", "restore_failures", "evicted"), 0)  # fmt: skip
+             "ignored_files", "restore_failures", "evicted", "foreign_files"), 0)  # fmt: skip
 
     @classmethod
     def of(cls, value: Any) -> PromptCache | None:
@@ -117,7 +133,11 @@ class PromptCache:
     @property
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"folder": str(self.folder), **self._counts}
+            return {
+                "folder": str(self.folder),
+                **self._counts,
+                "foreign_names": list(self._foreign),
+            }
 
     # -- lookup and restore ---------------------------------------------------------------
 
@@ -150,7 +170,8 @@ class PromptCache:
             return 0
         history.tokens = list(header.tokens)
         history.batched = header.reusable
-        _touch(best.path)
+        if best.own:
+            _touch(best.path)  # the least recently used go first
         with self._lock:
             self._counts["hits"] += 1
             self._counts["disk_tokens"] += gain
@@ -190,7 +211,7 @@ class PromptCache:
                 st = item.stat(follow_symlinks=False)
             except OSError:
                 continue
-            stamp = (st.st_size, st.st_mtime_ns)
+            stamp = _stamp(st)
             if self._seen.get(item.name) == stamp:
                 continue
             self._seen[item.name] = stamp
@@ -223,7 +244,8 @@ class PromptCache:
             self._ignore(path.name, exc)
             return None
         size = header.payload_offset + header.payload_bytes
-        return _Entry(path, header.tokens, header.reusable, size, header.fingerprint)
+        own = path.name == _name(header.fingerprint, list(header.tokens))
+        return _Entry(path, header.tokens, header.reusable, size, header.fingerprint, own)
 
     def _ignore(self, name: str, exc: Exception, counter: str = "ignored_files") -> None:
         with self._lock:
@@ -283,28 +305,16 @@ class PromptCache:
         """Remove this model's snapshots whose tokens the new one starts with (a
         conversation grows): the new one serves every prompt they served."""
         for other in list(self._entries.values()):
-            if other.path == new.path or other.fingerprint != new.fingerprint:
+            if other.path == new.path or other.fingerprint != new.fingerprint or not other.own:
                 continue
             if new.tokens[: len(other.tokens)] == other.tokens and new.reusable >= other.reusable:
                 _unlink(other.path)
                 del self._entries[other.path.name]
 
     def evict(self) -> None:
-        """Delete the least recently used snapshots (and stale temporary files) until the
-        folder fits ``max_bytes``."""
-        files = []
-        now = time.time()
-        for item in os.scandir(self.folder):
-            try:
-                st = item.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if item.name.startswith(".") and item.name.endswith(".tmp"):
-                if now - st.st_mtime > _STALE_TMP_S:
-                    _unlink(Path(item.path))  # left by a process killed while writing
-                continue
-            if item.name.endswith(SUFFIX) and item.is_file(follow_symlinks=False):
-                files.append((st.st_mtime, st.st_size, Path(item.path)))
+        """Delete the least recently used snapshots this cache wrote (and its stale temporary
+        files) until they fit ``max_bytes``; leave everything else alone."""
+        files, foreign = self._own_files()
         total = sum(size for _, size, _ in files)
         for _, size, path in sorted(files):
             if total <= self.max_bytes:
@@ -313,6 +323,57 @@ class PromptCache:
             total -= size
             with self._lock:
                 self._counts["evicted"] += 1
+                self._proved.pop(path.name, None)
+        with self._lock:
+            self._counts["foreign_files"] = len(foreign)
+            self._foreign = sorted(foreign)[:_NAMES_SHOWN]
+
+    def _own_files(self) -> tuple[list[tuple[int, int, Path]], list[str]]:
+        """(mtime_ns, size, path) of each snapshot this cache can prove it wrote, and the
+        names of the other files in the folder; stale temporary files of its own removed."""
+        files, foreign = [], []
+        now = time.time()
+        try:
+            listing = list(os.scandir(self.folder))
+        except OSError as exc:
+            logger.warning("prompt cache: cannot list %s: %s", self.folder, exc)
+            return [], []
+        for item in listing:
+            try:
+                st = item.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            regular = item.is_file(follow_symlinks=False)
+            if regular and _OWN_TMP.fullmatch(item.name):
+                if now - st.st_mtime > _STALE_TMP_S:
+                    _unlink(Path(item.path))  # left by a process killed while writing
+            elif regular and self._proves_own(Path(item.path), _stamp(st)):
+                files.append((st.st_mtime_ns, st.st_size, Path(item.path)))
+            else:
+                foreign.append(item.name)
+        return files, foreign
+
+    def _proves_own(self, path: Path, stamp: tuple[int, ...]) -> bool:
+        """Whether ``path`` is a snapshot a prompt cache wrote: a valid header whose
+        fingerprint and tokens hash to the file's name (proved once per file version)."""
+        if not _OWN_NAME.fullmatch(path.name):
+            return False
+        with self._lock:
+            if self._proved.get(path.name) == stamp:
+                return True
+        try:
+            fd = open_snapshot(path)
+            try:
+                header = read_header(fd, path)
+            finally:
+                os.close(fd)
+        except SnapshotError:
+            return False
+        if path.name != _name(header.fingerprint, list(header.tokens)):
+            return False
+        with self._lock:
+            self._proved[path.name] = stamp
+        return True
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for a snapshot being written."""
@@ -328,9 +389,16 @@ def _aligned(common: int, prompt_len: int) -> int:
 
 
 def _name(fingerprint: dict[str, Any], tokens: list[int]) -> str:
-    h = hashlib.sha256(repr(sorted(fingerprint.items())).encode())
+    """A snapshot's file name: the hash of its fingerprint and tokens (as JSON reads them
+    back, so the name can be checked against the header)."""
+    h = hashlib.sha256(json.dumps(fingerprint, sort_keys=True, separators=(",", ":")).encode())
     h.update(b"\0" + ",".join(map(str, tokens)).encode())
     return h.hexdigest()[:40] + SUFFIX
+
+
+def _stamp(st: os.stat_result) -> tuple[int, ...]:
+    """What changes when a file is rewritten, replaced or touched."""
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _touch(path: Path) -> None:
