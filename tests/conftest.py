@@ -19,9 +19,9 @@ from .fakes import FakeBackend
 # checkpoint, ONNX folders, a GGUF) on the way: an hour before pytest-timeout fails it, not
 # the suite's default (pyproject.toml), unless the test or its module names its own timeout.
 MODEL_TIMEOUT_S = 3600
+_Proc = TypeVar("_Proc", bound="subprocess.Popen[Any]")
 _REAL_MODEL_FIXTURES = {"default_gguf", "default_model", "default_checkpoint", "default_onnx",
                         "default_gguf_f16"}  # fmt: skip
-_Proc = TypeVar("_Proc", bound="subprocess.Popen[Any]")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
-def kill_at_end() -> Iterator[Callable[[_Proc], _Proc]]:
+def kill_at_end() -> Iterator[leakcheck.KillAtEnd]:
     """``kill_at_end(subprocess.Popen(...))`` is the process, ended when the test ends,
     whatever happened: killed with everything under it if it still runs, reaped, its pipes
     closed (tests/leakcheck.py fails a test that leaves one running)."""

@@ -17,18 +17,25 @@ from __future__ import annotations
 import subprocess
 import sys
 from contextlib import suppress
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import psutil
 import pytest
 
-__all__ = ["ChildCheck", "end_process", "register"]
+__all__ = ["ChildCheck", "KillAtEnd", "end_process", "register"]
 
 GRACE_S = 5.0  # how long a child already told to stop gets before it counts as left running
 _HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 _ADVICE = "end every process a test starts whatever happens (try/finally, or kill_at_end)"
 
 Key = tuple[int, float]  # pid and start time: a pid the system gave again is another process
+_Proc = TypeVar("_Proc", bound="subprocess.Popen[Any]")
+
+
+class KillAtEnd(Protocol):
+    """The ``kill_at_end`` fixture's type: ``kill_at_end(subprocess.Popen(...))``."""
+
+    def __call__(self, proc: _Proc, /) -> _Proc: ...
 
 
 def _descendants() -> dict[Key, psutil.Process]:
@@ -74,14 +81,20 @@ def _kill_all(procs: list[psutil.Process]) -> None:
     psutil.wait_procs(tree, timeout=GRACE_S)
 
 
-def end_process(proc: subprocess.Popen[Any]) -> None:
-    """``proc`` and every process under it ended, whatever state they are in (killed if still
-    running), ``proc`` reaped and its pipes closed."""
+def end_process(proc: subprocess.Popen[Any], terminate_within: float = 0.0) -> None:
+    """``proc`` and every process under it ended, whatever state they are in, ``proc`` reaped
+    and its pipes closed. With ``terminate_within``, SIGTERM first and that many seconds to
+    exit (a server that removes its files on the way out); then SIGKILL."""
     tree: list[psutil.Process] = []
     if proc.poll() is None:
         with suppress(psutil.Error):
             parent = psutil.Process(proc.pid)
             tree = [parent, *parent.children(recursive=True)]
+    if terminate_within > 0 and proc.poll() is None:
+        with suppress(OSError):
+            proc.terminate()
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=terminate_within)
     for child in tree:
         with suppress(psutil.Error):
             child.kill()

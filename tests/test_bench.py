@@ -22,6 +22,7 @@ from edgeinfer.bench.runner import ProgressLine, RunFailed
 from edgeinfer.bench.worker import timings
 from edgeinfer.errors import InvalidRequestError, ModelLoadError
 
+from .leakcheck import KillAtEnd
 from .signals import sigint_default
 
 CLI = [sys.executable, "-m", "edgeinfer.cli", "bench"]
@@ -126,14 +127,14 @@ def test_model_that_does_not_load_is_one_line(tmp_path: Path) -> None:
         assert "Traceback" not in out.stderr
 
 
-def test_ctrl_c_prints_what_was_measured(tiny_llama_gguf: Path) -> None:
-    proc = subprocess.Popen(
+def test_ctrl_c_prints_what_was_measured(tiny_llama_gguf: Path, kill_at_end: KillAtEnd) -> None:
+    proc = kill_at_end(subprocess.Popen(
         [*CLI, str(tiny_llama_gguf), *ONE_RUN, "-r", "500"],  # the last -r counts
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         preexec_fn=sigint_default,
-    )
+    ))  # fmt: skip
     assert proc.stderr is not None
     seen = ""
     deadline = time.monotonic() + 120

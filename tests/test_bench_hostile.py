@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,20 @@ def fake_worker(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture
+def fake_pids(tmp_path: Path, fake_worker: Path) -> Iterator[Path]:
+    """Where a hanging fake worker writes its pid and its child's. Bench must end both (the
+    tests check); one still running when the test ends is killed, so none outlives it."""
+    path = tmp_path / "pids"
+    yield path
+    for pid in map(int, path.read_text().split() if path.exists() else []):
+        with suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            command = " ".join(proc.cmdline())
+            if str(fake_worker) in command or "time.sleep(3600)" in command:
+                proc.kill()
+
+
 def bench_with_fake(
     worker: Path, model: Path, *args: str, env: dict[str, str], timeout: int = 180
 ) -> subprocess.CompletedProcess[str]:
@@ -97,9 +113,9 @@ def bench_with_fake(
 
 
 def test_a_hanging_peer_is_stopped_and_left_out(
-    fake_worker: Path, tiny_llama_gguf: Path, tmp_path: Path
+    fake_worker: Path, tiny_llama_gguf: Path, fake_pids: Path
 ) -> None:
-    pids = tmp_path / "pids"
+    pids = fake_pids
     start = time.monotonic()
     out = bench_with_fake(
         fake_worker, tiny_llama_gguf, "--compare", "--json", "--timeout", "8",
@@ -120,11 +136,11 @@ def test_a_hanging_peer_is_stopped_and_left_out(
 
 
 def test_the_table_says_which_peer_timed_out(
-    fake_worker: Path, tiny_llama_gguf: Path, tmp_path: Path
+    fake_worker: Path, tiny_llama_gguf: Path, fake_pids: Path
 ) -> None:
     out = bench_with_fake(
         fake_worker, tiny_llama_gguf, "--compare", "--timeout", "8",
-        env={"FAKE_PEER": "hang", "FAKE_PIDS": str(tmp_path / "pids")},
+        env={"FAKE_PEER": "hang", "FAKE_PIDS": str(fake_pids)},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "edgeinfer" in out.stdout.splitlines()[2]
@@ -132,11 +148,11 @@ def test_the_table_says_which_peer_timed_out(
 
 
 def test_edgeinfer_itself_timing_out_is_one_line(
-    fake_worker: Path, tiny_llama_gguf: Path, tmp_path: Path
+    fake_worker: Path, tiny_llama_gguf: Path, fake_pids: Path
 ) -> None:
     out = bench_with_fake(
         fake_worker, tiny_llama_gguf, "--timeout", "3",
-        env={"FAKE_OURS": "hang", "FAKE_PEER": "ok", "FAKE_PIDS": str(tmp_path / "pids")},
+        env={"FAKE_OURS": "hang", "FAKE_PEER": "ok", "FAKE_PIDS": str(fake_pids)},
     )  # fmt: skip
     assert out.returncode == 1 and "Traceback" not in out.stderr
     lines = [ln for ln in out.stderr.splitlines() if not ln.startswith("bench [")]

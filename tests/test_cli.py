@@ -14,6 +14,7 @@ import pytest
 
 import edgeinfer
 
+from .leakcheck import KillAtEnd
 from .signals import sigint_default
 
 CLI = [sys.executable, "-m", "edgeinfer.cli"]
@@ -128,8 +129,10 @@ def test_chat_keeps_the_conversation_and_answers_commands(default_gguf: Path) ->
 
 
 @pytest.mark.model
-def test_ctrl_c_stops_the_reply_and_returns_to_the_prompt(default_gguf: Path) -> None:
-    proc = subprocess.Popen(
+def test_ctrl_c_stops_the_reply_and_returns_to_the_prompt(
+    default_gguf: Path, kill_at_end: KillAtEnd
+) -> None:
+    proc = kill_at_end(subprocess.Popen(
         [
             *CLI,
             "chat",
@@ -150,7 +153,7 @@ def test_ctrl_c_stops_the_reply_and_returns_to_the_prompt(default_gguf: Path) ->
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         preexec_fn=sigint_default,
-    )
+    ))  # fmt: skip
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write("Write a very long story about a dragon.\n")
     proc.stdin.flush()

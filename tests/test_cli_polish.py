@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from .leakcheck import KillAtEnd
+
 CLI = [sys.executable, "-m", "edgeinfer.cli"]
 
 
@@ -147,7 +149,7 @@ def _terminal_until(master: int, seen: bytes, done: Callable[[bytes], bool] | No
 @pytest.mark.model
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a Linux pseudo-terminal")
 def test_chat_in_a_terminal_keeps_typing_out_of_replies(
-    default_gguf: Path, kill_at_end: Callable[..., subprocess.Popen[bytes]]
+    default_gguf: Path, kill_at_end: KillAtEnd
 ) -> None:
     """In a real (pseudo-)terminal: keys typed during a reply are neither echoed into it nor
     read as the next message, and Ctrl-D leaves the shell a fresh line. Each step waits for

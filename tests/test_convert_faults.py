@@ -30,6 +30,7 @@ from edgeinfer.converters.atomic import DiskFullError, atomic_output_file
 from edgeinfer.converters.sources.hf_config import read_model_config
 from edgeinfer.converters.sources.safetensors_reader import open_checkpoint
 
+from .leakcheck import KillAtEnd
 from .signals import sigint_default
 
 pytest.importorskip("gguf", reason="needs the convert extra")
@@ -559,13 +560,13 @@ def _wait_for_partial(proc: subprocess.Popen[bytes], out: Path, timeout: float =
 
 @pytest.mark.parametrize(("to", "quant"), [("gguf", "f32"), ("gguf", "q4_0"), ("onnx", "fp32")])
 def test_sigkill_mid_conversion_keeps_the_old_output_and_the_next_run_sweeps(
-    tiny_hf: Path, tmp_path: Path, to: str, quant: str
+    tiny_hf: Path, tmp_path: Path, to: str, quant: str, kill_at_end: KillAtEnd
 ) -> None:
     out = tmp_path / ("tiny.gguf" if to == "gguf" else "tiny-onnx")
     old = out / "old.txt" if to == "onnx" else out
     old.parent.mkdir(exist_ok=True)
     old.write_bytes(b"an existing model")
-    proc = _start_cli(tiny_hf, out, "--to", to, "--quant", quant)
+    proc = kill_at_end(_start_cli(tiny_hf, out, "--to", to, "--quant", quant))
     partial = _wait_for_partial(proc, out)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
@@ -579,10 +580,12 @@ def test_sigkill_mid_conversion_keeps_the_old_output_and_the_next_run_sweeps(
     assert not old.exists() or old.read_bytes()[:4] == b"GGUF"
 
 
-def test_ctrl_c_mid_conversion_leaves_nothing(tiny_hf: Path, tmp_path: Path) -> None:
+def test_ctrl_c_mid_conversion_leaves_nothing(
+    tiny_hf: Path, tmp_path: Path, kill_at_end: KillAtEnd
+) -> None:
     out = tmp_path / "tiny.gguf"
     out.write_bytes(b"an existing model")
-    proc = _start_cli(tiny_hf, out, "--to", "gguf", "--quant", "f32")
+    proc = kill_at_end(_start_cli(tiny_hf, out, "--to", "gguf", "--quant", "f32"))
     _wait_for_partial(proc, out)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)

@@ -16,6 +16,8 @@ import edgeinfer
 from edgeinfer import ConversionError, ModelLoadError
 from edgeinfer.manifest import MANIFEST_NAME, PARTIAL_MARKER
 
+from .leakcheck import KillAtEnd
+
 pytest.importorskip("optimum.exporters.onnx", reason="needs the convert extra")
 
 PROMPTS = ["The capital of France is", "Café, naïve", "def add(a, b):", "你好", "Emoji: 🙂"]
@@ -170,9 +172,11 @@ def test_every_quantization_agrees_with_the_source(
     assert result.report["top1_agreement"] >= floor_top1  # the converter's own check agrees
 
 
-def test_sigkill_mid_conversion_leaves_no_output(tiny_hf: Path, tmp_path: Path) -> None:
+def test_sigkill_mid_conversion_leaves_no_output(
+    tiny_hf: Path, tmp_path: Path, kill_at_end: KillAtEnd
+) -> None:
     out = tmp_path / "killed"
-    proc = subprocess.Popen(
+    proc = kill_at_end(subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -187,7 +191,7 @@ def test_sigkill_mid_conversion_leaves_no_output(tiny_hf: Path, tmp_path: Path) 
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ},
-    )
+    ))  # fmt: skip
     deadline = time.monotonic() + 120
     partials: list[Path] = []
     while time.monotonic() < deadline and not partials:

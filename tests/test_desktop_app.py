@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from .leakcheck import end_process
+
 APPS = Path(__file__).resolve().parents[1] / "apps"
 
 
@@ -28,20 +30,19 @@ def display() -> Iterator[str]:
         ["Xvfb", name, "-screen", "0", "1024x768x24", "-nolisten", "tcp"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
-    deadline = time.monotonic() + 20
-    while not Path(f"/tmp/.X11-unix/X{number}").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
     old = os.environ.get("DISPLAY")
-    os.environ["DISPLAY"] = name
     try:
+        deadline = time.monotonic() + 20
+        while not Path(f"/tmp/.X11-unix/X{number}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.environ["DISPLAY"] = name
         yield name
     finally:
         if old is None:
             os.environ.pop("DISPLAY", None)
         else:
             os.environ["DISPLAY"] = old
-        server.terminate()
-        server.wait(timeout=10)
+        end_process(server, terminate_within=10)  # SIGTERM: Xvfb removes its lock and socket
 
 
 def _window(model: str, tall_lines: bool = False, **load: object) -> tuple[object, object]:

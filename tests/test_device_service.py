@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from .leakcheck import KillAtEnd
+
 SERVICE = Path(__file__).resolve().parents[1] / "apps" / "device_service.py"
 
 
@@ -24,7 +26,9 @@ def _start(model: Path, *extra: str) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
-def test_json_lines_in_and_out_and_bad_requests(tiny_llama_gguf: Path) -> None:
+def test_json_lines_in_and_out_and_bad_requests(
+    tiny_llama_gguf: Path, kill_at_end: KillAtEnd
+) -> None:
     requests = [
         {"id": 1, "prompt": "Hello", "max_tokens": 4},
         "this is not json",
@@ -34,7 +38,7 @@ def test_json_lines_in_and_out_and_bad_requests(tiny_llama_gguf: Path) -> None:
         {"id": 5, "prompt": "Hello", "max_tokens": 2, "logit_bias": {"2": -100}},
     ]
     text = "\n".join(r if isinstance(r, str) else json.dumps(r) for r in requests) + "\n"
-    proc = _start(tiny_llama_gguf, "--context-length", "128")
+    proc = kill_at_end(_start(tiny_llama_gguf, "--context-length", "128"))
     out, err = proc.communicate(text, timeout=120)
     assert proc.returncode == 0, err
     answers = [json.loads(line) for line in out.splitlines()]
@@ -61,8 +65,8 @@ def test_budget_rule() -> None:
 
 
 @pytest.mark.model
-def test_sigterm_mid_reply_ends_it_and_exits_0(default_gguf: Path) -> None:
-    proc = _start(default_gguf, "--context-length", "2048")
+def test_sigterm_mid_reply_ends_it_and_exits_0(default_gguf: Path, kill_at_end: KillAtEnd) -> None:
+    proc = kill_at_end(_start(default_gguf, "--context-length", "2048"))
     assert proc.stdin is not None and proc.stderr is not None
     assert json.loads(proc.stderr.readline())["event"] == "loading"
     assert json.loads(proc.stderr.readline())["event"] == "ready"

@@ -26,6 +26,8 @@ from hypothesis import strategies as st
 from edgeinfer.bounded_json import parse_json
 from edgeinfer.errors import InvalidRequestError
 
+from .leakcheck import KillAtEnd, end_process
+
 SERVICE = Path(__file__).resolve().parents[1] / "apps" / "device_service.py"
 FUZZ_EXAMPLES = 150  # lines per example: 1 to 4
 NORMAL = {"id": "normal", "prompt": "Hello", "max_tokens": 2}
@@ -101,9 +103,12 @@ def checked_answer(raw: bytes) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def live(tiny_llama_gguf: Path) -> Any:
     service = Live(tiny_llama_gguf)
-    assert service.ready.wait(120), service.stderr()
-    yield service
-    service.close()
+    try:
+        assert service.ready.wait(120), service.stderr()
+        yield service
+        service.close()
+    finally:
+        end_process(service.proc)
 
 
 def normal_answer(live: Live) -> None:
@@ -328,8 +333,11 @@ BUSY = {"prompt": "Once upon a time", "max_tokens": 250, "temperature": 0.8}
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 @pytest.mark.parametrize("attempt", range(3))
-def test_signals_mid_reply_end_cleanly(tiny_llama_gguf: Path, signum: int, attempt: int) -> None:
+def test_signals_mid_reply_end_cleanly(
+    tiny_llama_gguf: Path, signum: int, attempt: int, kill_at_end: KillAtEnd
+) -> None:
     service = Live(tiny_llama_gguf)
+    kill_at_end(service.proc)
     assert service.ready.wait(120), service.stderr()
     # a queue of long replies, so that the signals find one in progress
     service.send(b"".join(json.dumps({**BUSY, "id": i, "seed": i}).encode() + b"\n"
@@ -367,8 +375,11 @@ def test_signals_mid_reply_end_cleanly(tiny_llama_gguf: Path, signum: int, attem
     assert all(a["finish_reason"] in ("length", "stop") for a in answers[:-1])
 
 
-def test_sigterm_while_loading_exits_0_once_loaded(tiny_llama_gguf: Path) -> None:
+def test_sigterm_while_loading_exits_0_once_loaded(
+    tiny_llama_gguf: Path, kill_at_end: KillAtEnd
+) -> None:
     service = Live(tiny_llama_gguf)
+    kill_at_end(service.proc)
     assert service.loading.wait(120), service.stderr()  # its handlers are in place
     service.proc.send_signal(signal.SIGTERM)
     assert service.proc.wait(timeout=120) == 0, service.stderr()
@@ -376,13 +387,13 @@ def test_sigterm_while_loading_exits_0_once_loaded(tiny_llama_gguf: Path) -> Non
     assert "Traceback" not in service.stderr()
 
 
-def test_a_closed_output_stops_the_service(tiny_llama_gguf: Path) -> None:
+def test_a_closed_output_stops_the_service(tiny_llama_gguf: Path, kill_at_end: KillAtEnd) -> None:
     read_end, write_end = os.pipe()
     os.close(read_end)  # nobody will ever read the answers
-    proc = subprocess.Popen(
+    proc = kill_at_end(subprocess.Popen(
         [sys.executable, str(SERVICE), "--model", str(tiny_llama_gguf), "--threads", "1"],
         stdin=subprocess.PIPE, stdout=write_end, stderr=subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
+    ))  # fmt: skip
     os.close(write_end)
     requests = b"".join(json.dumps({**NORMAL, "id": i}).encode() + b"\n" for i in range(20))
     _, err = proc.communicate(requests, timeout=120)

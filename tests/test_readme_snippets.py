@@ -37,6 +37,8 @@ from pathlib import Path
 
 import pytest
 
+from .leakcheck import KillAtEnd
+
 ROOT = Path(__file__).resolve().parent.parent
 # the pages whose snippets run: the README and every page of the docs site
 PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
@@ -165,10 +167,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _serve(default_gguf: Path, port: int) -> subprocess.Popen[bytes]:
+def _serve(default_gguf: Path, port: int, kill_at_end: KillAtEnd) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "edgeinfer", "serve", "smollm2-135m-instruct"]
     argv += ["--port", str(port), "--context-length", "1024"]
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kill_at_end(process)  # whatever happens: a graceful stop is the test's to check
     import httpx
 
     deadline = time.monotonic() + 300
@@ -185,7 +188,7 @@ def _serve(default_gguf: Path, port: int) -> subprocess.Popen[bytes]:
 @pytest.mark.model
 @pytest.mark.parametrize("fence", RUN, ids=[f.id for f in RUN])
 def test_snippet_runs(
-    fence: Fence, default_gguf: Path, tiny_llama_gguf: Path, tmp_path: Path
+    fence: Fence, default_gguf: Path, tiny_llama_gguf: Path, tmp_path: Path, kill_at_end: KillAtEnd
 ) -> None:
     if fence.mark == "tiny-gguf":
         shutil.copyfile(tiny_llama_gguf, tmp_path / fence.arg)
@@ -199,7 +202,7 @@ def test_snippet_runs(
     if fence.mark == "with-server":
         pytest.importorskip("openai")
         port = _free_port()
-        server = _serve(default_gguf, port)
+        server = _serve(default_gguf, port, kill_at_end)
         body = body.replace("127.0.0.1:8080", f"127.0.0.1:{port}")
     script = tmp_path / "snippet.py"
     script.write_text(body, encoding="utf-8")

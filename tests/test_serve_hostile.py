@@ -38,6 +38,7 @@ pytest.importorskip("llama_cpp")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from .leakcheck import end_process  # noqa: E402
 from .test_serve import CONTEXT, Server, _free_port, _start  # noqa: E402
 
 KEY = "clé-🔑-ключ"  # non-ASCII: sent as its UTF-8 bytes
@@ -456,16 +457,19 @@ def _endless_server(model: Path, log: list[str], *extra: str) -> tuple[subproces
     ).start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail("".join(log)[-2000:])
-        time.sleep(0.2)
+    try:
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    return process, url
+            except httpx.HTTPError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail("".join(log)[-2000:])
+            time.sleep(0.2)
+    except BaseException:  # a failed start, a timeout: the server ends here
+        end_process(process)
+        raise
 
 
 # 0 and 2 both end a reply of the tiny model: banned, with a sliding context, it never ends
