@@ -1,6 +1,8 @@
 """The engine loop (parallel > 1): many callers share one batch, each sequence keeps its own
 settings, and each gives exactly what it gives alone (the fake's logits depend on its own
-slot's history only, so any mix-up of slots shows as different output)."""
+slot's history only, so any mix-up of slots shows as different output). The fake's logits
+cannot depend on batch make-up or chunk alignment: tests/test_engine_real.py checks the
+same promises on real models (llama.cpp and onnxruntime)."""
 
 from __future__ import annotations
 
