@@ -197,6 +197,8 @@ def load_options(args: argparse.Namespace, parallel: int | str = 1) -> dict[str,
         options["parallel"] = parallel
     if getattr(args, "prompt_cache", None):  # serve --prompt-cache DIR
         options["prompt_cache"] = args.prompt_cache
+    if getattr(args, "speculative", None):  # the model's default (run/chat: also per request)
+        options["speculative"] = args.speculative
     return options
 
 

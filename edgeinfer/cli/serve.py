@@ -110,6 +110,13 @@ def _add_client_flags(p: argparse.ArgumentParser) -> None:
         "1) (default: edgeinfer)",
     )
     p.add_argument(
+        "--speculative",
+        metavar="MODE",
+        help="speculative decoding for requests that do not set their own \"speculative\" "
+        "field: off, auto, lookup or lookup:N (at --parallel 1; the same tokens, faster on "
+        "replies that copy from the prompt) (default: off)",
+    )
+    p.add_argument(
         "--any-model-name",
         action="store_true",
         help="answer requests naming any model (e.g. a client that always sends gpt-4o) with "

@@ -59,6 +59,7 @@ _PARAMS = {
     "stop": "stop",
     "logit_bias": "logit_bias",
     "response_format": "response_format",
+    "speculative": "speculative",
 }
 
 

@@ -226,6 +226,8 @@ def _sampling(
         sampling["logit_bias"] = _logit_bias(body["logit_bias"])
     if body.get("response_format") is not None:  # checked by SamplingConfig (400 if bad)
         sampling["response_format"] = body["response_format"]
+    if body.get("speculative") is not None:  # edgeinfer's field: checked by SamplingConfig
+        sampling["speculative"] = body["speculative"]
     return sampling
 
 
