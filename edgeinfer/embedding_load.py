@@ -19,7 +19,7 @@ import psutil
 from . import catalog
 from .config import LoadConfig
 from .encoder_folder import EncoderFolder
-from .errors import BackendUnavailableError, MemoryBudgetError
+from .errors import BackendUnavailableError, InvalidRequestError, MemoryBudgetError
 from .inventory import devices
 from .memory import parse_size
 from .memory_plan import MemoryPlan, mb
@@ -28,10 +28,12 @@ from .policy import plan_providers
 from .runtimes import open_backend
 
 __all__ = [
+    "EMBEDDING_OPTIONS",
     "EncoderModel",
     "encoder_graph_for",
     "load_encoder",
     "plan_embedding_memory",
+    "refuse_generation_options",
     "source_key",
 ]
 
@@ -42,6 +44,50 @@ DEFAULT_BATCH = 32
 _ENGINE_BYTES = 60 << 20  # onnxruntime's libraries, the session and the tokenizer
 _HEADROOM = 64 << 20
 _CHUNK = 1 << 20
+
+EMBEDDING_OPTIONS = "device, memory_budget, threads and allow_fallback"  # what it does take
+# load()'s options for generation: the value that means "not asked for", why an embedding
+# model has no use for it, and its CLI flag
+_GENERATION_OPTIONS: dict[str, tuple[Any, str, str]] = {
+    "parallel": (1, "embeds a batch of texts per pass, with no sequence slots (embed(..., "
+                 "batch_size=N) sets the batch)", "--parallel"),
+    "prompt_cache": (None, "keeps no KV cache to put on disk", "--prompt-cache"),
+    "kv_dtype": ("auto", "has no KV cache", "--kv-dtype"),
+    "context_length": (None, "cuts each text at its own maximum sequence length "
+                       "(embed_detailed says which were cut)", "--context-length"),
+    "context_overflow": ("stop", "generates nothing to slide", "--context-overflow"),
+    "flash_attention": (False, "runs no flash-attention kernel on either route",
+                        "--flash-attention"),
+}  # fmt: skip
+_ENCODER_ENGINES = {"encoder": "onnxruntime", "gguf": "llama.cpp"}
+
+
+def _unset(value: Any, default: Any) -> bool:
+    """Whether ``value`` is the option's "not asked for" (None/False for a folder or flag)."""
+    if default is None or default is False:
+        return value is None or value is False
+    return type(value) is type(default) and value == default
+
+
+def refuse_generation_options(name: str, model_format: str, **options: Any) -> None:
+    """InvalidRequestError for the first of ``options`` (load()'s keywords) set to something
+    an embedding model ignores; ``engine`` may name the engine that runs ``model_format``.
+    The same refusals for an encoder folder (ONNX) and an encoder GGUF (llama.cpp)."""
+    for key, value in options.items():
+        if key == "engine":
+            ours = _ENCODER_ENGINES.get(model_format, "auto")
+            if not (isinstance(value, str) and value in ("auto", ours)):
+                raise InvalidRequestError(
+                    f"engine={value!r:.80}: {name} is an embedding model, run by {ours} only; "
+                    f"leave engine at 'auto' (no --engine). It takes {EMBEDDING_OPTIONS}"
+                )
+            continue
+        default, why, flag = _GENERATION_OPTIONS[key]
+        if not _unset(value, default):
+            raise InvalidRequestError(
+                f"{key}={value!r:.80}: {name} is an embedding model and {why}; leave {key} at "
+                f"{default!r} (no {flag}). An embedding model takes {EMBEDDING_OPTIONS}"
+            )
 
 
 @dataclass(frozen=True)
