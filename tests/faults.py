@@ -66,10 +66,12 @@ import time
 
 _SLOW = float(os.environ.get("EDGEINFER_TEST_CHUNK_S") or 0)
 _GATE = os.environ.get("EDGEINFER_TEST_GATE")
-if _SLOW or _GATE:
+_CANCEL = float(os.environ.get("EDGEINFER_TEST_CANCEL_S") or 0)
+if _SLOW or _GATE or _CANCEL:
     from edgeinfer import generation
 
     _next = generation.TokenStream.__next__
+    _cancel = generation.TokenStream.cancel
 
     def _held(self):
         while _GATE and os.path.exists(_GATE):
@@ -77,17 +79,27 @@ if _SLOW or _GATE:
         time.sleep(_SLOW)
         return _next(self)
 
+    def _late(self):
+        _cancel(self)
+        time.sleep(_CANCEL)  # the stream ends before its canceller looks again
+
     generation.TokenStream.__next__ = _held
+    generation.TokenStream.cancel = _late
 """
 
 
-def held_env(folder: Path, *, chunk_s: float = 0.0, gate: Path | None = None) -> dict[str, str]:
+def held_env(
+    folder: Path, *, chunk_s: float = 0.0, gate: Path | None = None, cancel_s: float = 0.0
+) -> dict[str, str]:
     """The environment of a child ``python -m edgeinfer ...`` in which every chunk of a
-    generation stream takes ``chunk_s`` seconds more and waits while ``gate`` exists."""
+    generation stream takes ``chunk_s`` seconds more and waits while ``gate`` exists, and
+    a stream's ``cancel()`` returns ``cancel_s`` seconds after it asked (so the stream has
+    ended when the caller goes on)."""
     hook = folder / "held-streams"
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(_HOOK)
     env = dict(os.environ, EDGEINFER_TEST_CHUNK_S=str(chunk_s))
+    env["EDGEINFER_TEST_CANCEL_S"] = str(cancel_s)
     if gate is not None:
         env["EDGEINFER_TEST_GATE"] = str(gate)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hook), env.get("PYTHONPATH")) if p)
