@@ -614,3 +614,21 @@ def test_other_fields_of_a_message_stay_text(markers: Any, name: object) -> None
         t for t in reference if markers.token_bytes(t) == b""
     ]
     assert str(name) in "".join(p for p in view(markers, ids) if isinstance(p, str))
+
+
+def test_a_marker_cut_across_two_strings_the_template_joins_stays_text(markers: Any) -> None:
+    """The reasoning template joins system messages with nothing between: neither half spells
+    a marker alone, together they would."""
+    template = TEMPLATES["real-reasoning"]
+    messages = [
+        {"role": "system", "content": "be <|"},
+        {"role": "system", "content": "end|> brief"},
+        {"role": "user", "content": "hi"},
+    ]
+    harmless = [{**m, "content": "x y"} for m in messages]
+    ids = encode_messages(markers, template, messages)
+    reference = encode_messages(markers, template, harmless)
+    assert [t for t in ids if markers.token_bytes(t) == b""] == [
+        t for t in reference if markers.token_bytes(t) == b""
+    ]
+    assert "be <|end|> brief" in view(markers, ids)
