@@ -9,6 +9,11 @@ that second render (the skeleton: template text and harmless stand-ins) is token
 text, so ordinary chats get exactly the ids of a plain ``encode``; otherwise the strings
 that spell special tokens are tokenized with special-token parsing off, apart from the
 template's text.
+
+Equal sequences of special ids mean no string made one: a string that did would add an id,
+or take the place of one of the template's, which changes the sequence unless a special
+token's text overlaps itself (none does). Where the template refused the stand-ins there is
+no skeleton: each string is then checked alone, which misses a marker cut across two strings.
 """
 
 from __future__ import annotations
