@@ -11,9 +11,10 @@ that spell special tokens are tokenized with special-token parsing off, apart fr
 template's text.
 
 Equal sequences of special ids mean no string made one: a string that did would add an id,
-or take the place of one of the template's, which changes the sequence unless a special
-token's text overlaps itself (none does). Where the template refused the stand-ins there is
-no skeleton: each string is then checked alone, which misses a marker cut across two strings.
+or take the place of one of the template's, which changes the sequence, unless a special
+token's text begins with its own end (as ``<|x|>`` does not) or the template writes fewer
+markers when it sees that string. Where the template refused the stand-ins there is no
+skeleton: each string is then checked alone, which misses a marker cut across two strings.
 """
 
 from __future__ import annotations
