@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
-from . import generation
+from . import generation, scoring
 from ._turns import Turns
 from .chat import encode_messages, render_chat
 from .embedding import EmbedResult, embed_for_model, require_generation
@@ -23,6 +23,7 @@ from .many import Request, collect_in_order, read_request
 from .memory import MemoryPlan
 from .model_parts import attach_cache, checked_token_ids, signals_held
 from .sampling import Sampler, SamplingConfig
+from .scoring import Scores
 from .speculative import OFF, PassCosts, SpeculativeConfig, for_request
 from .state import session
 from .state.sequence import SeqStates
@@ -386,35 +387,40 @@ class Model:
     def context_length(self) -> int:
         return self._backend.n_ctx
 
-    # -- state on disk --------------------------------------------------------------------
-
     def save_state(self, path: str | PathLike[str]) -> int:
         """Write the current sequence (its tokens and KV cache) to ``path``, atomically, with
         a fingerprint of this model and its settings; the file's size in bytes. A later
         ``load_state`` (in any process) resumes it: a prompt that starts with those tokens is
         not read again. ``SnapshotError`` if the file cannot be written."""
-        with self._state_turn() as states:
-            return session.save_state(states, self._backend, self._history, path)
+        with self._turn("save_state (at parallel > 1: prompt_cache)"):
+            return session.save_state(self._seq_states(), self._backend, self._history, path)
 
     def load_state(self, path: str | PathLike[str]) -> list[int]:
         """Make the sequence a snapshot ``save_state`` wrote; its tokens. A file that is not
         a snapshot of this model with these settings (another model, engine version, context,
         a truncated or changed file) raises ``SnapshotError`` naming it."""
-        with self._state_turn() as states:
-            return session.load_state(states, self._backend, self._history, path)
+        with self._turn("load_state (at parallel > 1: prompt_cache)"):
+            return session.load_state(self._seq_states(), self._backend, self._history, path)
+
+    def score(self, prompt: Prompt, continuation: Prompt, *, top_logprobs: int = 0) -> Scores:
+        """Log-probabilities of ``continuation``'s tokens after ``prompt`` (text, read without
+        BOS, or ids), with the ``top_logprobs`` likeliest tokens at each (edgeinfer.scoring)."""
+        ids, cont = self._prompt_ids(prompt), self._prompt_ids(continuation, add_special=False)
+        with self._turn("score"):
+            return scoring.score(self._backend, self._history, ids, cont, top_logprobs)
 
     @contextmanager
-    def _state_turn(self) -> Iterator[SeqStates]:
+    def _turn(self, what: str) -> Iterator[None]:
+        """The model to this call alone (parallel=1): no request runs until the block ends."""
         if self._engine is not None:
-            raise InvalidRequestError(
-                "save_state/load_state work on a model loaded with parallel=1; at parallel > 1 "
-                "use prompt_cache"
-            )
+            raise InvalidRequestError(f"{what} works on a model loaded with parallel=1")
         with self._turns.turn(), self._open.lock:
             self._require_open()
-            if self._states is None:
-                self._states = SeqStates(self._backend, self._path)
-            yield self._states
+            yield
+
+    def _seq_states(self) -> SeqStates:
+        self._states = self._states or SeqStates(self._backend, self._path)
+        return self._states
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -449,13 +455,13 @@ class Model:
         if self._closed:
             raise EdgeInferError("the model is closed; load it again")
 
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+    def _prompt_ids(self, prompt: Prompt, add_special: bool = True) -> list[int]:
         self._require_open()
         require_generation(self._backend, self._name)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty")
-            return self._tokenizer.encode(prompt, add_special=True)
+            return self._tokenizer.encode(prompt, add_special=add_special)
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
             raise InvalidRequestError(
                 f"prompt must be text or a list of token ids, not {type(prompt).__name__}"
