@@ -242,3 +242,42 @@ def test_a_save_state_file_in_the_folder_is_never_dropped_as_covered(
         m._disk.flush()
     assert cache.stats["writes"] == 1 and len(list(tmp_path.glob("*.kvs"))) == 2
     assert mine.read_bytes() == data
+
+
+def test_a_real_process_evicting_beside_a_users_files(
+    tiny_llama_gguf: Path, tmp_path: Path
+) -> None:
+    """A child process whose cache must evict everything it writes (max_bytes=1) in a folder
+    holding a user's files: it answers, exits 0, and every user file is there, unchanged."""
+    import subprocess
+    import sys
+    import textwrap
+
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    foreign = _foreign_folder(folder, tmp_path / "outside")
+    script = textwrap.dedent(
+        f"""
+        import signal
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        import edgeinfer
+        from edgeinfer.state import PromptCache
+        cache = PromptCache({str(folder)!r}, min_tokens=32, max_bytes=1)
+        with edgeinfer.load({str(tiny_llama_gguf)!r}, context_length=256, threads=1,
+                            prompt_cache=cache) as m:
+            r = m.generate(m.tokenize("pears " * 60)[:120], max_new_tokens=2)
+        s = cache.stats
+        print("ANSWERED", r.finish_reason, s["writes"], s["evicted"], s["foreign_files"])
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    words = done.stdout.split()
+    assert words[0] == "ANSWERED" and words[2:] == ["1", "1", str(len(foreign))]
+    for name, data in foreign.items():
+        path = folder / name
+        assert path.is_symlink() or path.exists(), name
+        assert data is None or path.read_bytes() == data, name
+    assert {p.name for p in folder.glob("[0-9a-f]" * 40 + ".kvs")} <= set(foreign)  # its own: gone
