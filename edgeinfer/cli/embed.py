@@ -5,19 +5,26 @@ IN (default: standard input) holds one text per line, or with ``--jsonl`` (the d
 OUT (default: standard output) is ``{"id", "embedding", "tokens", "truncated"}`` in input
 order; a line that cannot be read (not UTF-8, not a JSON object, no text, too long) gets
 ``{"id", "error"}`` instead and the rest go on. Exit status 1 if any line had an error.
+OUT is refused if it is IN (the same file, or a link to it), and a file OUT is written
+beside itself and renamed into place once whole: a full disk or Ctrl-C leaves an old OUT
+as it was.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
+import stat
 import sys
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from ..batch.output import OutputWriteError, write_failed
 from ..bounded_json import parse_json
 from ..embedding import MAX_TEXT_CHARS
 from ..errors import EdgeInferError, InvalidRequestError
@@ -64,18 +71,18 @@ def add_parser(sub: Any) -> None:
 
 def cmd_embed(args: argparse.Namespace) -> int:
     jsonl = args.jsonl if args.jsonl is not None else str(args.input or "").endswith(".jsonl")
+    _check_output(args.input, args.output)  # before anything is opened for writing
     with ExitStack() as stack:
         src = _open_input(args.input, stack)
         model = stack.enter_context(load_model(args))
         if model.info.get("kind") != "embedding":
             raise InvalidRequestError(f"{args.model} is not an embedding model; it cannot embed")
-        out = _open_output(args.output, stack)
+        out = stack.enter_context(_output(args.output))
         total = _size(args.input)
         bar = stack.enter_context(Progress("embedding", total))
         errors = 0
         for chunk in _chunks(_rows(src, jsonl, bar)):
             errors += _embed_chunk(model, chunk, out, args)
-        out.flush()
     if errors:
         print(f"edgeinfer: {errors} line(s) had errors; see their records", file=sys.stderr)
     return 1 if errors else 0
@@ -90,13 +97,84 @@ def _open_input(path: str | None, stack: ExitStack) -> IO[bytes]:
         raise InvalidRequestError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
 
-def _open_output(path: str | None, stack: ExitStack) -> IO[str]:
-    if path is None or path == "-":
-        return sys.stdout
+def _check_output(src: str | None, out: str | None) -> None:
+    """Refuse an OUT that is IN (the same file, a link to it, or both through stdin/stdout)
+    or that names a folder."""
+    if out is None or out == "-":
+        if src not in (None, "-") and _same(os.fstat(sys.stdout.fileno()), src):
+            raise InvalidRequestError(f"standard output is the input {src}; write elsewhere")
+        return
+    if out.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)) or Path(out).is_dir():
+        what = "is a folder" if Path(out).is_dir() else f"names a folder (it ends in {out[-1]})"
+        raise InvalidRequestError(
+            f"the output {out} {what}; give a file, such as {Path(out) / 'embeddings.jsonl'}"
+        )
+    if not Path(out).parent.is_dir():
+        raise InvalidRequestError(f"the output's folder {Path(out).parent} does not exist")
+    if src is None or src == "-":
+        same = _same(os.fstat(sys.stdin.fileno()), out)
+    else:
+        same = _same(src, out)
+    if same:
+        raise InvalidRequestError(f"the output {out} is the input; write the output elsewhere")
+
+
+def _same(a: os.stat_result | str, b: str) -> bool:
     try:
-        return stack.enter_context(Path(path).open("w", encoding="utf-8"))
+        one = a if isinstance(a, os.stat_result) else os.stat(a)
+        other = os.stat(b)
+    except OSError:  # missing (a new output), or not there to compare
+        return False
+    return (one.st_dev, one.st_ino) == (other.st_dev, other.st_ino)
+
+
+_STREAMED = "the records before the failure were written"
+
+
+@contextmanager
+def _output(path: str | None) -> Iterator[IO[str]]:
+    """Where the records go: stdout; a device or pipe as it is; a file written beside
+    itself and renamed into place once whole, so that no failure leaves half of it."""
+    if path is None or path == "-":
+        with _write_errors("standard output", _STREAMED, stdout=True):
+            yield sys.stdout
+            sys.stdout.flush()
+        return
+    if os.path.exists(path) and not os.path.isfile(path):  # /dev/null, /dev/full, a FIFO
+        with _write_errors(path, _STREAMED), Path(path).open("w", encoding="utf-8") as f:
+            yield f
+        return
+    target = Path(os.path.realpath(path))  # through a link: the file it names is replaced
+    partial = target.with_name(f".{target.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+    kept = f"{path} is left as it was" if target.exists() else f"no {path} was left"
+    with _write_errors(path, kept):
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            if target.exists():
+                os.chmod(partial, stat.S_IMODE(target.stat().st_mode))
+            os.replace(partial, target)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+
+
+@contextmanager
+def _write_errors(name: str, kept: str, *, stdout: bool = False) -> Iterator[None]:
+    """An OSError while writing as one OutputWriteError naming the fix (a closed pipe stays
+    itself: that is the reader leaving, not an error)."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise
     except OSError as exc:
-        raise InvalidRequestError(f"cannot write {path}: {exc.strerror or exc}") from exc
+        if stdout:  # so the interpreter's own flush at exit does not fail again
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        raise OutputWriteError(write_failed(name, exc, kept)) from exc
 
 
 def _size(path: str | None) -> int:
