@@ -21,9 +21,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .probes import Accelerator, MachineProbe, Probe
+from .probes import PACKAGES, Accelerator, MachineProbe, Probe
 
-__all__ = ["DeviceInventory", "build_inventory", "devices"]
+__all__ = ["PACKAGES", "DeviceInventory", "build_inventory", "devices"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,21 @@ class DeviceInventory:
     gpus: tuple[Accelerator, ...] = ()
     npus: tuple[Accelerator, ...] = ()
     openvino_devices: tuple[str, ...] = ()
+    # Which of PACKAGES are installed (found, not imported); None: a record made before they
+    # were recorded, so they are inferred from its engines (``installed_packages``).
+    packages: tuple[str, ...] | None = None
+
+    @property
+    def installed_packages(self) -> frozenset[str]:
+        """Which of ``PACKAGES`` the route can count on. A record without ``packages`` has
+        them inferred from its engines: llama_cpp where llama.cpp answered, onnxruntime where
+        onnxruntime did, and onnx with onnxruntime (the ``[onnx]`` extra installs both)."""
+        if self.packages is not None:
+            return frozenset(self.packages)
+        found = {"llama_cpp"} if self.llama_cpp_version is not None else set()
+        if self.onnxruntime_version is not None:
+            found |= {"onnxruntime", "onnx"}
+        return frozenset(found)
 
     @property
     def llama_gpus(self) -> tuple[Accelerator, ...]:
@@ -120,6 +135,8 @@ class DeviceInventory:
             values[key] = tuple(Accelerator(**a) for a in values.get(key, ()))
         for key in ("cpu_features", "ort_providers", "openvino_devices"):
             values[key] = tuple(values.get(key, ()))
+        if values.get("packages") is not None:
+            values["packages"] = tuple(values["packages"])
         return cls(**values)
 
 
@@ -183,7 +200,18 @@ def build_inventory(probe: Probe, *, engines: Iterable[str] = ENGINES) -> Device
         gpus=tuple(gpus),
         npus=tuple(npus),
         openvino_devices=tuple(openvino or ()),
+        packages=_packages(probe.packages()),
     )
+
+
+def _packages(found: Iterable[object] | None) -> tuple[str, ...] | None:
+    """The known package names among ``found``, in ``PACKAGES`` order; None stays None."""
+    if found is None:
+        return None
+    if isinstance(found, (str, bytes)) or not isinstance(found, Iterable):
+        raise TypeError(f"packages: expected a list of names, got {found!r:.60}")
+    names = set(found)
+    return tuple(p for p in PACKAGES if p in names)
 
 
 def _l4t_release(text: str) -> str | None:

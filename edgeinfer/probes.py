@@ -27,7 +27,16 @@ from typing import Any, Protocol
 
 import psutil
 
-__all__ = ["Accelerator", "MachineProbe", "Probe", "RecordedProbe", "RecordingProbe"]
+__all__ = [
+    "PACKAGES",
+    "Accelerator",
+    "MachineProbe",
+    "Probe",
+    "RecordError",
+    "RecordedProbe",
+    "RecordingProbe",
+    "check_record",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +80,12 @@ class Probe(Protocol):
     def onnxruntime(self) -> tuple[str, list[str]] | None: ...  # version, providers
     def llama_cpp(self) -> tuple[str, bool, list[Accelerator]] | None: ...
     def openvino_devices(self) -> list[str] | None: ...
+    def packages(self) -> list[str] | None: ...  # the route's packages found; None: unknown
+
+
+# The Python packages a route depends on, the two engines and the transcode's builder: found
+# (importlib.util.find_spec), never imported.
+PACKAGES = ("llama_cpp", "onnxruntime", "onnx")
 
 
 class MachineProbe:
@@ -167,6 +182,9 @@ class MachineProbe:
             logger.debug("openvino did not list its devices: %s", exc)
             return None
 
+    def packages(self) -> list[str]:
+        return [name for name in PACKAGES if importlib.util.find_spec(name) is not None]
+
 
 class RecordingProbe:
     """Wraps a probe and writes down every fact it hands out, in ``RecordedProbe``'s format:
@@ -242,12 +260,19 @@ class RecordingProbe:
             self.record["openvino_devices"] = list(value)
         return value
 
+    def packages(self) -> list[str] | None:
+        value = self._inner.packages()
+        if value is not None:
+            self.record["packages"] = list(value)
+        return value
+
 
 class RecordedProbe:
-    """Facts recorded on another machine (a JSON object), for tests and ``--inventory``."""
+    """Facts recorded on another machine (a JSON object), for tests and ``--inventory``; a
+    record of another shape raises ``RecordError`` naming the field (``check_record``)."""
 
     def __init__(self, record: Mapping[str, Any]) -> None:
-        self._r = record
+        self._r = check_record(record)
 
     def system(self) -> str:
         return str(self._r["system"])
@@ -304,6 +329,100 @@ class RecordedProbe:
     def openvino_devices(self) -> list[str] | None:
         value = self._r.get("openvino_devices")
         return None if value is None else list(value)
+
+    def packages(self) -> list[str] | None:
+        """None for a record made before packages were recorded."""
+        value = self._r.get("packages")
+        return None if value is None else list(value)
+
+
+class RecordError(ValueError):
+    """A recorded machine whose facts do not have the shape ``RecordingProbe`` writes."""
+
+
+def _text(v: object) -> bool:
+    return isinstance(v, str)
+
+
+def _texts(v: object) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _text_map(v: object) -> bool:
+    return isinstance(v, dict) and all(x is None or isinstance(x, str) for x in v.values())
+
+
+def _size(v: object) -> bool:  # bytes, cores: a plain non-negative integer
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
+
+
+def _count(v: object) -> bool:
+    return _size(v) and v != 0
+
+
+def _flag(v: object) -> bool:
+    return isinstance(v, bool)
+
+
+def _fields(need: dict[str, Any], may: dict[str, Any] | None = None) -> Any:
+    """A check of an object with the ``need`` keys and perhaps the ``may`` keys, no others."""
+    known = {**need, **(may or {})}
+
+    def check(v: object) -> bool:
+        return (
+            isinstance(v, dict)
+            and set(need) <= set(v) <= set(known)
+            and all(known[k](v[k]) for k in v)
+        )
+
+    return check
+
+
+def _devices(v: object) -> bool:
+    device = _fields({"name": _text, "kind": _text}, {"vendor": _text, "backend": _text,
+                     "memory_bytes": lambda m: m is None or _size(m)})  # fmt: skip
+    return isinstance(v, list) and all(device(d) for d in v)
+
+
+# What each recorded fact must look like, and how a message says it.
+_RECORD: dict[str, tuple[Any, str]] = {
+    "system": (_text, "a text such as 'Linux'"),
+    "machine": (_text, "a text such as 'x86_64'"),
+    "release": (_text, "a text"),
+    "description": (_text, "a text"),
+    "nvidia_smi": (_text, "nvidia-smi's 'name, MiB' lines as one text"),
+    "files": (_text_map, "an object of path -> text (or null)"),
+    "sysctl": (_text_map, "an object of name -> text (or null)"),
+    "memory": (_fields({"total": _size}, {"available": _size}),
+               '{"total": bytes, "available": bytes}'),
+    "cores": (_fields({"physical": _count, "logical": _count}),
+              '{"physical": N, "logical": N}, each at least 1'),
+    "windows_cpu": (_fields({}, {"name": _text, "features": _texts}),
+                    '{"name": text, "features": [names]}'),
+    "onnxruntime": (_fields({"version": _text, "providers": _texts}),
+                    '{"version": text, "providers": [names]}'),
+    "llama_cpp": (_fields({"version": _text, "gpu_offload": _flag}, {"devices": _devices}),
+                  '{"version": text, "gpu_offload": true/false, "devices": [{"name", "kind", '
+                  '"vendor", "backend", "memory_bytes"}]}'),
+    "openvino_devices": (_texts, "a list of device names"),
+    "packages": (_texts, "a list of package names"),
+}  # fmt: skip
+_REQUIRED = ("system", "machine", "memory", "cores")
+
+
+def check_record(record: object) -> Mapping[str, Any]:
+    """A copy of ``record`` if it has the shape of a recorded machine; ``RecordError`` naming
+    the first field that does not. Facts it does not know are ignored; a fact of null counts
+    as not recorded (left out of the copy)."""
+    if not isinstance(record, Mapping):
+        raise RecordError(f"expected a JSON object of facts, got {type(record).__name__}")
+    missing = [key for key in _REQUIRED if record.get(key) is None]
+    if missing:
+        raise RecordError(f"{', '.join(missing)} missing")
+    for key, (check, shape) in _RECORD.items():
+        if record.get(key) is not None and not check(record[key]):
+            raise RecordError(f"{key}: expected {shape}")
+    return {key: value for key, value in record.items() if value is not None}
 
 
 def _ggml_devices(llama_cpp: Any) -> list[Accelerator]:

@@ -13,6 +13,10 @@ pass over 8 sequences' tokens gives 4.2-5.2x the throughput of one on the ONNX g
 costs memory: the transcode's process peaks higher (323.9 against 199.1 MB in
 ``benchmarks/results/bench-native.json``). On a GPU llama.cpp keeps the model.
 
+``route_on(inventory, ...)`` asks the rule for one machine: which of the route's packages it
+has and where llama.cpp would run the file there come from its inventory alone, so a recorded
+machine (``edgeinfer devices MODEL --inventory FILE``) gets the route ``load()`` takes there.
+
 ``engine="llama.cpp"`` or ``engine="onnxruntime"`` (``load()``'s option) overrides the rule;
 a GGUF named by its path runs on llama.cpp unless ``engine="onnxruntime"`` is asked, which
 only a catalog name can honour (the transcode is built for the catalog's checked file).
@@ -24,9 +28,11 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InvalidRequestError
+from .errors import EdgeInferError, InvalidRequestError
+from .inventory import DeviceInventory
+from .policy import normalise_device, plan_providers
 
-__all__ = ["ENGINES", "Route", "check_engine", "choose_route"]
+__all__ = ["ENGINES", "Route", "check_engine", "choose_route", "llama_device_on", "route_on"]
 
 ENGINES = ("auto", "llama.cpp", "onnxruntime")
 _GGUF_DEVICES = ("auto", "cpu", "cuda", "metal", "gpu")  # the rest are ONNX Runtime's only
@@ -93,6 +99,46 @@ def choose_route(
     if not transcodable:
         return Route("gguf", "gguf", "a GGUF file runs on llama.cpp")
     return _catalog_gguf_route(parallel, device, frozenset(installed), llama_device)
+
+
+def route_on(
+    inventory: DeviceInventory,
+    model_format: str,
+    *,
+    transcodable: bool,
+    parallel: int = 1,
+    device: str = "auto",
+    engine: str = "auto",
+) -> Route:
+    """``choose_route`` for the machine ``inventory`` describes: its packages
+    (``DeviceInventory.installed_packages``) and the device its llama.cpp build would run the
+    file on (``llama_device_on``). ``device`` is a ``load()`` device argument."""
+    wish = normalise_device(device)
+    installed = inventory.installed_packages
+    llama_device = "cpu"
+    if model_format == "gguf" and transcodable and "llama_cpp" in installed:
+        llama_device = llama_device_on(inventory, wish)
+    return choose_route(
+        model_format,
+        transcodable=transcodable,
+        parallel=parallel,
+        device=wish,
+        installed=installed,
+        engine=engine,
+        llama_device=llama_device,
+    )
+
+
+def llama_device_on(inventory: DeviceInventory, wish: str) -> str:
+    """Where llama.cpp would run a GGUF on ``inventory``'s machine under the normalised
+    ``wish``: the device of the policy's first candidate ("cpu" when it has none)."""
+    if wish not in _GGUF_DEVICES:
+        return "cpu"
+    try:
+        plan = plan_providers(inventory, "gguf", wish)
+    except EdgeInferError:  # no llama.cpp, or none of its devices meets the wish
+        return "cpu"
+    return plan.candidates[0].device if plan.candidates else "cpu"
 
 
 def _catalog_gguf_route(

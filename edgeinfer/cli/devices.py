@@ -10,13 +10,15 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ..bounded_json import read_json_file
 from ..busy import busy_record
 from ..errors import InvalidRequestError, MemoryBudgetError
 from ..inventory import DeviceInventory, build_inventory, devices
 from ..memory import FRESH_PROCESS_BYTES, MemoryPlan, plan_memory
 from ..model_shape import shape_of
 from ..policy import ProviderPlan, plan_providers
-from ..probes import MachineProbe, RecordedProbe, RecordingProbe
+from ..probes import PACKAGES, MachineProbe, RecordedProbe, RecordingProbe
+from ..routes import Route, route_on
 from .common import MODEL_HELP
 
 
@@ -61,6 +63,7 @@ class _ModelPlan:
     """What `devices MODEL` shows beside the machine: the providers and the memory plan."""
 
     source_text: str  # "name (format)"
+    route: Route
     providers: ProviderPlan
     memory: MemoryPlan | None
     memory_error: str | None  # why there is no memory plan: the budget, or a failed load
@@ -87,28 +90,34 @@ def _record(path: Path) -> int:
 
 
 def _plan_for(args: argparse.Namespace, inventory: DeviceInventory) -> _ModelPlan:
-    from ..loader import resolve, runs_as_onnx
+    from ..loader import _catalog_gguf, resolve, route_for
 
     source = resolve(args.model)
-    model_format = source.format
-    if runs_as_onnx(args.model, source, args.device):
-        model_format = "onnx"  # load() runs it through its ONNX graph, built once
-    shown = source.format if model_format == source.format else "gguf, run as onnx"
+    if args.inventory:  # that machine's packages and devices, as its record says
+        transcodable = _catalog_gguf(args.model, source)
+        route = route_on(inventory, source.format, transcodable=transcodable, device=args.device)
+    else:  # this machine: the route load() takes here
+        route = route_for(args.model, source, args.device)
+    # a GGUF that runs as onnx: load() runs it through its ONNX graph, built once
+    shown = source.format if route.format == source.format else "gguf, run as onnx"
     providers = plan_providers(
-        inventory, model_format, args.device, allow_fallback=args.allow_fallback
+        inventory, route.format, args.device, allow_fallback=args.allow_fallback
     )
     memory, memory_error = _memory(source, inventory, args)
-    return _ModelPlan(f"{source.name} ({shown})", providers, memory, memory_error)
+    return _ModelPlan(f"{source.name} ({shown})", route, providers, memory, memory_error)
 
 
 def _print_json(
     args: argparse.Namespace, inventory: DeviceInventory, plan: _ModelPlan | None
 ) -> None:
     out: dict[str, Any] = {"inventory": inventory.to_dict()}
+    if inventory.packages is None:
+        out["packages_assumed"] = _assumed(inventory)
     if not args.inventory:  # a live machine: how busy it is now
         out["busy"] = busy_record()
     if plan is not None:
         out["model"] = args.model
+        out["route"] = plan.route.to_dict()
         out["plan"] = plan.providers.to_dict()
         out["memory_plan"] = plan.memory.to_dict() if plan.memory else None
         if plan.memory_error:
@@ -127,6 +136,7 @@ def _print_text(
     if plan is None:
         return
     print(f"\nplan for {plan.source_text}, device={args.device}:")
+    print(f"  route: {plan.route.why}")
     for line in plan.providers.describe():
         print(f"  {line}")
     print("\nmemory plan:")
@@ -202,11 +212,16 @@ def _memory(
     return plan, None
 
 
+# A record is a few kilobytes (a large server's /proc/cpuinfo, a few hundred).
+_MAX_RECORD_BYTES = 16 << 20
+
+
 def _recorded(path: Path) -> DeviceInventory:
+    """The machine recorded in ``path`` (``--record``'s format, bounded and checked)."""
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
+        record = read_json_file(path, max_bytes=_MAX_RECORD_BYTES, error=InvalidRequestError)
         return build_inventory(RecordedProbe(record))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (InvalidRequestError, ValueError, KeyError, TypeError) as exc:
         raise InvalidRequestError(f"--inventory {path}: not a recorded machine ({exc})") from exc
 
 
@@ -255,6 +270,22 @@ def _rows(inv: DeviceInventory) -> list[tuple[str, str]]:
         ("onnxruntime", ort),
         ("llama.cpp", llama),
     ]
+    rows.append(("packages", _packages_row(inv)))
     if inv.openvino_devices:
         rows.append(("openvino", ", ".join(inv.openvino_devices)))
     return rows
+
+
+def _packages_row(inv: DeviceInventory) -> str:
+    if inv.packages is not None:
+        return ", ".join(inv.packages) or f"none of {', '.join(PACKAGES)}"
+    return _assumed(inv)
+
+
+def _assumed(inv: DeviceInventory) -> str:
+    """What a record without its packages is taken to have, said as an assumption."""
+    names = [p for p in PACKAGES if p in inv.installed_packages]
+    return (
+        f"not recorded (an older record); assumed {', '.join(names) or 'none'} from its "
+        "engines (onnx with onnxruntime, as the [onnx] extra installs them)"
+    )
