@@ -26,7 +26,7 @@ from .detokenizer import IncrementalDetokenizer
 from .errors import InvalidRequestError
 from .rss import peak_rss
 from .sampling import Sampler, SamplingConfig
-from .speculative import Speculation, drop_unkept, feed
+from .speculative import Speculation, draft, drop_unkept, feed
 
 if TYPE_CHECKING:
     from .runtimes.base import Backend, Tokenizer
@@ -484,6 +484,6 @@ def run(
             rows, drafts = [_slide(backend, history, step.token, slide_keep)], []
             continue
         room = backend.n_ctx - len(history.tokens) - 2  # a draft never fills the context
-        drafts = speculation.propose(seq.context, room) if speculation is not None else []
+        drafts = draft(speculation, seq.context, room, sampler.constraint)
         rows = feed(backend, step.token, drafts, speculation)
         history.tokens.append(step.token)

@@ -42,6 +42,7 @@ __all__ = [
     "PromptLookup",
     "Speculation",
     "SpeculativeConfig",
+    "draft",
     "drop_unkept",
     "feed",
     "for_request",
@@ -204,8 +205,15 @@ class Speculation:
         self.budget = DraftBudget(config, costs)
         self._lookup = PromptLookup(config.max_draft)
 
-    def propose(self, context: Sequence[int], room: int) -> list[int]:
-        """Tokens to check after ``context``'s last one, at most ``room``; [] for a plain step."""
+    def propose(self, context: Sequence[int], room: int, constraint: Any = None) -> list[int]:
+        """Tokens to check after ``context``'s last one, at most ``room``; [] for a plain step.
+        Under a grammar (``constraint``) the tokens it forces come first: the sampler picks
+        them unless the model prefers another spelling of the same bytes, so they are drafted
+        whatever the budget says (grammar fast-forward)."""
+        if constraint is not None:
+            forced = constraint.forced(min(room, MAX_DRAFT))
+            if forced:
+                return forced
         k = min(self.budget.k(), room)
         return self._lookup.propose(context, k) if k > 0 else []
 
@@ -219,6 +227,13 @@ def for_request(
     if not setting.on or not getattr(backend, "multi_position_logits", False):
         return None
     return Speculation(setting, costs)
+
+
+def draft(
+    speculation: Speculation | None, context: Sequence[int], room: int, constraint: Any
+) -> list[int]:
+    """The tokens to check after ``context`` (see ``Speculation.propose``); [] without one."""
+    return [] if speculation is None else speculation.propose(context, room, constraint)
 
 
 def feed(

@@ -272,6 +272,16 @@ class Constraint:
             )
         self.steps += 1
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces next (llguidance's fast-forward: the
+        canonical tokens of the only bytes that can follow); [] when it is not sure."""
+        if limit <= 0 or self.complete:
+            return []
+        tokens = _engine_errors(self._matcher.compute_ff_tokens)
+        if self._matcher.is_error() or not isinstance(tokens, list):
+            return []
+        return [int(t) for t in tokens[:limit] if 0 <= int(t) < self._n]
+
     def _raise_if_error(self) -> None:
         if not self._matcher.is_error():
             return

@@ -357,3 +357,27 @@ def test_the_cli_flag_reaches_the_request(tiny_gguf: Path) -> None:
 def test_load_refuses_a_bad_setting_before_opening_anything(tiny_gguf: Path) -> None:
     with pytest.raises(InvalidRequestError, match="speculative="):
         edgeinfer.load(tiny_gguf, speculative="sometimes")
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "city": {"type": "string"}},
+    "required": ["name", "city"],
+    "additionalProperties": False,
+}
+
+
+def test_grammar_fast_forward_drafts_the_forced_tokens(real_model: Path) -> None:
+    """Under a JSON schema the keys and punctuation the grammar forces are drafted and kept;
+    the reply is plain decoding's."""
+    pytest.importorskip("llguidance")
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    with edgeinfer.load(real_model, threads=1, context_length=256) as model:
+        kw = {"max_new_tokens": 48, "temperature": 0, "response_format": fmt}
+        plain = model.generate("Note: Ada lives in Paris.", **kw)
+        fast = model.generate("Note: Ada lives in Paris.", speculative="auto", **kw)
+        assert fast.token_ids == plain.token_ids
+        assert fast.stats.accepted_tokens >= 8  # at least the two keys' forced spelling
+        # off: no fast-forward either
+        off = model.generate("Note: Ada lives in Paris.", speculative="off", **kw)
+        assert off.stats.draft_tokens == 0
