@@ -134,8 +134,10 @@ def run_batch(
     ``model`` is a loaded Model, or a name/path loaded here with ``parallel`` slots (and
     closed at the end). Rows take ``config``/``sampling`` as defaults for their own fields.
     Rows whose ids are already in ``out_path`` are skipped, so running the same job again
-    resumes it. Ctrl-C: see the module's doc; KeyboardInterrupt is raised once the output
-    is left in a state that resumes.
+    resumes it; ``out_path`` is locked for the job's life (another job on it: an
+    InvalidRequestError), and a write that fails (a full disk) is an OutputWriteError with
+    the records before it kept whole. Ctrl-C: see the module's doc; KeyboardInterrupt is
+    raised once the output is left in a state that resumes.
     """
     src = Path(in_path)
     dst = check_paths(src, out_path)
