@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from . import catalog
 from .config import LoadConfig
 from .embedding_gguf import is_embedding_gguf, load_gguf_embedding
-from .embedding_load import load_encoder
+from .embedding_load import load_encoder, refuse_generation_options
 from .errors import BackendUnavailableError, EdgeInferError, InvalidRequestError, ModelLoadError
 from .inventory import devices
 from .manifest import MANIFEST_NAME, PARTIAL_MARKER, Manifest
@@ -88,15 +88,15 @@ def load(
     ``kv_dtype``: the KV cache's type ("auto": the model's own; "float16" halves the ONNX
     route's, docs/memory.md). ``speculative``: requests' default (``edgeinfer.speculative``).
     """
-    cache, spec = _check_options(context_overflow, allow_fallback, engine, prompt_cache,
-                                 speculative)  # fmt: skip
-    if parallel != "auto":
-        parallel = check_parallel(parallel)
+    cache, spec, asked = _check_options(context_overflow, allow_fallback, engine, prompt_cache,
+                                        speculative)  # fmt: skip
+    parallel = parallel if parallel == "auto" else check_parallel(parallel)
     config = LoadConfig(device=device, context_length=context_length, threads=threads,
                         flash_attention=flash_attention, kv_dtype=kv_dtype)  # fmt: skip
     named = resolve(model)
     if _is_embedding_model(named):
-        return _load_embedding_model(named, config, memory_budget, allow_fallback, spec)
+        asked["parallel"] = parallel
+        return _load_embedding_model(named, config, memory_budget, allow_fallback, spec, asked)
     source, route, config = _routed(model, named, config, memory_budget, parallel, engine)
     backend, chain = _open(source, config, allow_fallback)
     return _model(backend, source, chain, config, route, context_overflow, cache, spec)
@@ -167,19 +167,20 @@ def _load_embedding_model(
     memory_budget: int | str | None,
     allow_fallback: bool,
     spec: SpeculativeConfig,
+    asked: dict[str, Any],
 ) -> Model:
     """An encoder folder (embedding_load.py) or an encoder GGUF in llama.cpp's embedding mode:
-    no KV cache, so a cache type asked for is a mistake, not something to ignore."""
+    the options only generation uses (``asked``; the config's KV cache type, context length
+    and flash attention) are refused when set, never ignored."""
     if spec.on:
         raise InvalidRequestError(
             f"speculative={spec.method!r}: {named.name} is an embedding model and generates no "
             "tokens; leave speculative at 'off'"
         )
-    if config.kv_dtype != "auto":
-        raise InvalidRequestError(
-            f"kv_dtype={config.kv_dtype!r}: {named.name} is an embedding model and has no KV "
-            "cache; leave kv_dtype at 'auto' (no --kv-dtype)"
-        )
+    refuse_generation_options(
+        named.name, named.format, kv_dtype=config.kv_dtype, context_length=config.context_length,
+        flash_attention=config.flash_attention, **asked,
+    )  # fmt: skip
     if named.format == "encoder":
         return load_encoder(named, config, memory_budget, allow_fallback)
     return load_gguf_embedding(named, config, memory_budget)
@@ -203,9 +204,9 @@ def _source_for(named: ModelSource, route: Route, kv_dtype: str) -> ModelSource:
 
 def _check_options(
     context_overflow: str, allow_fallback: bool, engine: str, prompt_cache: Any, speculative: Any
-) -> tuple[PromptCache | None, SpeculativeConfig]:
+) -> tuple[PromptCache | None, SpeculativeConfig, dict[str, Any]]:
     """Refuse bad options before anything is loaded; the prompt cache and the speculative
-    decoding they name."""
+    decoding they name, and those of them an embedding model must leave unset."""
     spec = parse_speculative(speculative)
     check_engine(engine)
     if context_overflow not in ("stop", "slide"):
@@ -216,7 +217,8 @@ def _check_options(
         raise InvalidRequestError(
             f"allow_fallback={allow_fallback!r} is invalid: expected True or False"
         )
-    return PromptCache.of(prompt_cache), spec
+    asked = {"prompt_cache": prompt_cache, "engine": engine, "context_overflow": context_overflow}
+    return PromptCache.of(prompt_cache), spec, asked
 
 
 def _open(
