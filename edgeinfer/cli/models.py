@@ -41,15 +41,27 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def _print_list() -> None:
-    print(f"{'NAME':<28} {'KIND':<5} {'SIZE':>7}  {'STATUS':<11}  DESCRIPTION")
+    print(f"{'NAME':<28} {'KIND':<5} {'SIZE':>7}  {'STATUS':<12}  DESCRIPTION")
     for listed in catalog.CATALOG.values():
-        present = "present" if catalog.is_present(listed) else "not fetched"
         size = f"{listed.size / 1e6:.0f} MB" if listed.size else ""
-        row = f"{listed.name:<28} {listed.format:<5} {size:>7}  {present:<11}"
+        row = f"{listed.name:<28} {listed.format:<5} {size:>7}  {_status(listed):<12}"
         print(f"{row}  {listed.description}")
         transcode = _transcode_line(listed)
         if transcode:
             print(f"{'':<28} {transcode}")
+
+
+def _status(entry: catalog.CatalogEntry) -> str:
+    """present, not fetched, or for a chunked model a stopped fetch's parts ("partial 5/22")."""
+    if catalog.is_present(entry):
+        return "present"
+    if entry.is_chunked:
+        from ..catalog_chunks import partial_parts
+
+        kept = partial_parts(entry, catalog.local_path(entry))
+        if kept is not None:
+            return f"partial {kept}/{entry.parts}"
+    return "not fetched"
 
 
 def _transcode_line(entry: catalog.CatalogEntry) -> str | None:
