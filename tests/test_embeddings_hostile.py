@@ -311,7 +311,7 @@ def test_the_real_server_with_the_openai_client(folder: Path, home: Path) -> Non
 
     with edgeinfer.load(folder, threads=1) as local:
         want = local.embed(["hello world", "the cat"])
-    server_gen = _start(folder)
+    server_gen = _start(folder, context=None)
     server = next(server_gen)
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)

@@ -53,10 +53,13 @@ class Server:
         return [line for line in self.log if re.search(pattern, line)]
 
 
-def _start(model: Path, *extra: str) -> Iterator[Server]:
+def _start(model: Path, *extra: str, context: int | None = CONTEXT) -> Iterator[Server]:
+    """``context=None`` for an embedding model, which refuses a context length."""
     port = _free_port()
     argv = [sys.executable, "-m", "edgeinfer.cli", "serve", str(model), "--port", str(port)]
-    argv += ["--threads", "1", "--context-length", str(CONTEXT), *extra]
+    argv += ["--threads", "1", *extra]
+    if context is not None:
+        argv += ["--context-length", str(context)]
     process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env={**os.environ})
     log: list[str] = []
     reader = threading.Thread(

@@ -55,7 +55,7 @@ def local(folder: Path) -> Iterator[edgeinfer.Model]:
 @pytest.fixture(scope="module")
 def server(folder: Path) -> Iterator[Server]:
     """Answers every model name (as LangChain names OpenAI's models)."""
-    yield from _start(folder, "--any-model-name")
+    yield from _start(folder, "--any-model-name", context=None)
 
 
 def _client(server: Server) -> Any:
