@@ -175,12 +175,13 @@ def test_chat_in_a_terminal_keeps_typing_out_of_replies(
         assert seen.count(b">>> ") == 1, "the reply ended before the keys were typed"
         os.write(master, b"TYPED-DURING-REPLY")  # while the reply streams
         seen = _terminal_until(master, seen, lambda s: s.count(b">>> ") >= 2, "second prompt")
+        assert b"TYPED-DURING-REPLY" not in seen  # not echoed into the reply
         os.write(master, b"\x04")  # Ctrl-D at the prompt
         seen = _terminal_until(master, seen, None, "exit after Ctrl-D")
         assert proc.wait(timeout=60) == 0
     finally:
         os.close(master)
-    assert b"TYPED-DURING-REPLY" not in seen  # not echoed, not sent as a message
+    assert b"TYPED-DURING-REPLY" not in seen  # nor read as the next message
     assert seen.endswith(b"\r\n") or seen.endswith(b"\n")
 
 
