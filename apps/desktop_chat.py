@@ -2,7 +2,9 @@
 
 The model loads and replies in a worker thread; its tokens reach the window through a queue
 that the window polls with ``after()``, so the window never freezes. Stop cancels the reply
-within a token; closing the window mid-reply cancels it and frees the model.
+within a token; closing the window mid-reply cancels it and frees the model. The picker lists
+the catalog's chat models only; an embedding model typed or opened is refused in the window
+(a catalog name before anything is fetched, a file or folder once it has loaded).
 
     python apps/desktop_chat.py [--model smollm2-135m-instruct]
 """
@@ -13,6 +15,7 @@ import argparse
 import queue
 import threading
 import tkinter as tk
+from pathlib import Path
 from tkinter import filedialog, ttk
 from typing import Any
 
@@ -20,6 +23,10 @@ import edgeinfer
 from edgeinfer import catalog
 
 POLL_MS = 30
+_NOT_CHAT = (
+    "{name} is an embedding model: it makes vectors, not replies, and this window chats; "
+    "pick a chat model from the list (embed texts with `edgeinfer embed {name} TEXT`)"
+)
 MIN_WIDTH, MIN_HEIGHT = 480, 240  # px: every fixed row and a few transcript lines
 
 
@@ -45,9 +52,7 @@ class ChatWindow:
         top.grid(row=0, column=0, sticky="ew")
         ttk.Label(top, text="Model:").pack(side="left")
         self.model_var = tk.StringVar(value=model_name)
-        self.picker = ttk.Combobox(
-            top, textvariable=self.model_var, values=list(catalog.CATALOG), width=40
-        )
+        self.picker = ttk.Combobox(top, textvariable=self.model_var, values=chat_models(), width=40)
         self.picker.pack(side="left", padx=4)
         self.picker.bind("<<ComboboxSelected>>", lambda _e: self.load_model())
         ttk.Button(top, text="Open…", command=self.open_file).pack(side="left")
@@ -97,7 +102,14 @@ class ChatWindow:
             if self.model is not None:
                 self.model.close()
                 self.model = None
+            if _catalog_kind(name) == "embedding":  # refused before anything is fetched
+                self.events.put(("error", f"cannot load {name}: {_NOT_CHAT.format(name=name)}"))
+                return
             model = edgeinfer.load(name, **self.load_options)
+            if model.info.get("kind") == "embedding":  # a file or folder opened by its path
+                model.close()
+                self.events.put(("error", f"cannot load {name}: {_NOT_CHAT.format(name=name)}"))
+                return
             self.events.put(("loaded", model))
         except Exception as exc:  # shown in the window: a missing model, a budget too small
             self.events.put(("error", f"cannot load {name}: {exc}"))
@@ -205,6 +217,20 @@ class ChatWindow:
 
     def transcript(self) -> str:
         return self.log.get("1.0", "end")
+
+
+def chat_models() -> list[str]:
+    """The catalog's names that chat (text generation), for the picker."""
+    return [name for name, entry in catalog.CATALOG.items() if entry.kind == "generation"]
+
+
+def _catalog_kind(name: str) -> str | None:
+    """The catalog kind of ``name`` ("generation", "embedding"); None for a path (a file or
+    folder of that name is loaded as such, as ``load()`` does)."""
+    entry = catalog.lookup(name)
+    if entry is None or Path(name).expanduser().exists():
+        return None
+    return entry.kind
 
 
 def main() -> int:
