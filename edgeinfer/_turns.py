@@ -1,4 +1,6 @@
-"""A first-come, first-served lock: requests to one model run one at a time, in arrival order.
+"""Who may use a one-slot model's engine when: a first-come, first-served lock (``Turns``:
+requests run one at a time, in arrival order) and the lock their steps run under
+(``OpenStreams``: free between chunks, so ``close()`` never waits for a consumer).
 
 ``threading.Lock`` makes no promise about which waiter goes next, so a busy model could
 starve a request. Here each request takes a ticket and runs when its number comes up; a
@@ -9,12 +11,16 @@ on instead of blocking everyone behind it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from .errors import ModelBusyError
 
-__all__ = ["Turns"]
+if TYPE_CHECKING:
+    from .generation import Chunk
+
+__all__ = ["OpenStreams", "Turns"]
 
 
 class Turns:
@@ -82,3 +88,48 @@ class Turns:
             self._abandoned.discard(self._serving)
             self._serving += 1
         self._cond.notify_all()
+
+
+class OpenStreams:
+    """The requests of a one-slot model between their first step and their end, and the lock
+    their engine work runs under. A chunk is handed out with the lock free, so ``close()``
+    (``end_all``, then the lock) waits for one step at most, never for a consumer that holds
+    a chunk."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # re-entered when a collected stream ends inside a step
+        self._guard = threading.Lock()  # the set below
+        self._cancels: set[threading.Event] = set()
+        self._ending = False
+
+    def steps(
+        self, check: Callable[[], None], cancel: threading.Event, start: Callable[[], Iterator]
+    ) -> Iterator[Chunk]:
+        """``start()``'s chunks, each made holding the lock, once ``check()`` passed under it."""
+        with self.lock:
+            check()
+            chunks = start()
+            with self._guard:
+                self._cancels.add(cancel)
+                if self._ending:  # it came while the model was being closed
+                    cancel.set()
+        try:
+            while True:
+                with self.lock:
+                    chunk = next(chunks, None)
+                if chunk is None:
+                    return
+                yield chunk
+        finally:
+            with self._guard:
+                self._cancels.discard(cancel)
+            with self.lock:
+                chunks.close()
+
+    def end_all(self) -> None:
+        """Ask every open request, and any that starts from now on, to stop: each ends
+        "cancelled" at its next step, without touching the engine again."""
+        with self._guard:
+            self._ending = True
+            for cancel in self._cancels:
+                cancel.set()

@@ -26,6 +26,7 @@ from .detokenizer import IncrementalDetokenizer
 from .errors import InvalidRequestError
 from .rss import peak_rss
 from .sampling import Sampler, SamplingConfig
+from .scoring import TokenLogprob, token_logprob
 from .speculative import Speculation, draft, drop_unkept, feed
 
 if TYPE_CHECKING:
@@ -69,6 +70,8 @@ class Chunk:
     # calls completed in this chunk (chat with tools), OpenAI's shape: {"id", "type":
     # "function", "function": {"name", "arguments": JSON text}}
     tool_calls: tuple[dict[str, Any], ...] = ()
+    # with top_logprobs set: one per id in token_ids (edgeinfer.scoring.TokenLogprob)
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,8 @@ class GenerationResult:
     # the format was complete, so its text does not match the format (JSON that does not
     # parse); a warning is logged too
     format_incomplete: bool = False
+    # with top_logprobs set: each generated token's log-probability and the likeliest others
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -168,6 +173,7 @@ class TokenStream:
         self._parse = parse
         self._parts: list[str] = []
         self._ids: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> TokenStream:
@@ -177,6 +183,7 @@ class TokenStream:
         chunk = next(self._chunks)
         self._parts.append(chunk.text)
         self._ids.extend(chunk.token_ids)
+        self._logprobs.extend(chunk.logprobs)
         if chunk.finish_reason is not None and chunk.stats is not None:
             text = "".join(self._parts)
             parsed = self._parse(text, chunk.finish_reason) if self._parse else None
@@ -188,6 +195,7 @@ class TokenStream:
                 chunk.stats,
                 parsed,
                 format_incomplete=cut,
+                logprobs=tuple(self._logprobs),
             )
         return chunk
 
@@ -212,51 +220,6 @@ class TokenStream:
             pass
         assert self.result is not None  # the loop always ends with a final chunk
         return self.result
-
-
-class OpenStreams:
-    """The requests of a one-slot model between their first step and their end, and the lock
-    their engine work runs under. A chunk is handed out with the lock free, so ``close()``
-    (``end_all``, then the lock) waits for one step at most, never for a consumer that holds
-    a chunk."""
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()  # re-entered when a collected stream ends inside a step
-        self._guard = threading.Lock()  # the set below
-        self._cancels: set[threading.Event] = set()
-        self._ending = False
-
-    def steps(
-        self, check: Callable[[], None], cancel: threading.Event, start: Callable[[], Iterator]
-    ) -> Iterator[Chunk]:
-        """``start()``'s chunks, each made holding the lock, once ``check()`` passed under it."""
-        with self.lock:
-            check()
-            chunks = start()
-            with self._guard:
-                self._cancels.add(cancel)
-                if self._ending:  # it came while the model was being closed
-                    cancel.set()
-        try:
-            while True:
-                with self.lock:
-                    chunk = next(chunks, None)
-                if chunk is None:
-                    return
-                yield chunk
-        finally:
-            with self._guard:
-                self._cancels.discard(cancel)
-            with self.lock:
-                chunks.close()
-
-    def end_all(self) -> None:
-        """Ask every open request, and any that starts from now on, to stop: each ends
-        "cancelled" at its next step, without touching the engine again."""
-        with self._guard:
-            self._ending = True
-            for cancel in self._cancels:
-                cancel.set()
 
 
 def check_request(backend: Backend, prompt: Sequence[int], config: SamplingConfig) -> Sampler:
@@ -329,6 +292,7 @@ class SequenceState:
         self.context: list[int] = list(prompt)  # for the repetition penalty
         self.generated: list[int] = []
         self.unsent: list[int] = []  # ids whose text has not been handed out yet
+        self.unsent_logprobs: list[TokenLogprob] = []  # theirs, with top_logprobs set
         self.reused = 0  # prompt tokens found in the KV cache
         self.disk = 0  # of which read from the prompt cache on disk
         self.t_start = self.t_first = self.t_last = 0.0  # perf_counter seconds
@@ -349,6 +313,7 @@ class SequenceState:
         if cancelled:
             return _Step(None, "", "cancelled")
         constraint = self.sampler.constraint
+        raw = logits  # the model's own, for top_logprobs
         if constraint is not None:
             if constraint.complete:  # the grammar has ended: nothing may follow
                 return _Step(None, "", "stop")
@@ -365,6 +330,9 @@ class SequenceState:
         self.generated.append(token)
         self.context.append(token)
         self.unsent.append(token)
+        if self.sampler.config.top_logprobs is not None:
+            top = self.sampler.config.top_logprobs
+            self.unsent_logprobs.append(token_logprob(raw, token, top))
         text = self.detok.push(token)
         if self.detok.stopped or (constraint is not None and constraint.complete):
             return _Step(token, text, "stop")
@@ -381,8 +349,9 @@ class SequenceState:
 
     def chunk(self, text: str) -> Chunk:
         """Hand out ``text`` with the ids not handed out yet."""
-        chunk = Chunk(text, tuple(self.unsent))
+        chunk = Chunk(text, tuple(self.unsent), logprobs=tuple(self.unsent_logprobs))
         self.unsent.clear()
+        self.unsent_logprobs.clear()
         return chunk
 
     def last_chunk(self, text: str, finish: FinishReason) -> Chunk:
@@ -404,7 +373,7 @@ class SequenceState:
             draft_tokens=self.drafted,
             accepted_tokens=self.accepted,
         )
-        return Chunk(tail, tuple(self.unsent), finish, stats)
+        return Chunk(tail, tuple(self.unsent), finish, stats, logprobs=tuple(self.unsent_logprobs))
 
 
 def _prefill(

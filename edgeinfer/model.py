@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import numpy as np
 
 from . import generation, scoring
-from ._turns import Turns
+from ._turns import OpenStreams, Turns
 from .chat import encode_messages, render_chat
 from .embedding import EmbedResult, embed_for_model, require_generation
 from .engine import Engine
 from .errors import EdgeInferError, InvalidRequestError
-from .generation import Chunk, GenerationResult, KVHistory, OpenStreams, TokenStream
+from .generation import Chunk, GenerationResult, KVHistory, TokenStream
 from .many import Request, collect_in_order, read_request
 from .memory import MemoryPlan
 from .model_parts import attach_cache, checked_token_ids, signals_held
@@ -336,6 +336,11 @@ class Model:
         pieces = b"".join(self._tokenizer.token_bytes(t) for t in checked)
         return pieces.decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes token ``token_id`` adds to a text (b"" for a control token)."""
+        (checked,) = checked_token_ids([token_id], self._tokenizer.n_vocab, "token_bytes()")
+        return self._tokenizer.token_bytes(checked)
+
     def embed(
         self, texts: str | Sequence[str], *, normalize: bool = True, batch_size: int | None = None
     ) -> np.ndarray:
@@ -346,8 +351,6 @@ class Model:
         """Vectors, tokens per text, which were truncated (``embedding.embed_for_model``)."""
         self._require_open()
         return embed_for_model(self._backend, self._name, self._memory_plan, texts, **options)
-
-    # -- facts ----------------------------------------------------------------------------
 
     @property
     def info(self) -> dict[str, Any]:
@@ -421,8 +424,6 @@ class Model:
     def _seq_states(self) -> SeqStates:
         self._states = self._states or SeqStates(self._backend, self._path)
         return self._states
-
-    # -- lifecycle ------------------------------------------------------------------------
 
     def close(self) -> None:
         """Free the engine and its KV cache; calling it again does nothing. Open streams end

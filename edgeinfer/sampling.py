@@ -83,6 +83,9 @@ class SamplingConfig:
     # edgeinfer.speculative); None: the model's setting from load(speculative=...). It
     # changes how fast tokens come, never which tokens the sampler picks.
     speculative: SpeculativeConfig | str | None = None
+    # log-probabilities of the generated tokens (GenerationResult.logprobs): None = off; N =
+    # each token's own and the N likeliest at its place (0..20, OpenAI's top_logprobs)
+    top_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         from .structured import check_response_format
@@ -120,6 +123,11 @@ class SamplingConfig:
                 raise _bad(name, value, "a number from -2 to 2 (OpenAI's range); 0 turns it off")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**64):
             raise _bad("seed", self.seed, "None or an integer in [0, 2**64)")
+        top = self.top_logprobs
+        if top is not None and (not is_int(top) or not 0 <= top <= _MAX_TOP_LOGPROBS):
+            raise _bad(
+                "top_logprobs", top, f"None (off) or an integer from 0 to {_MAX_TOP_LOGPROBS}"
+            )
 
     def _validate_collections(self) -> None:
         stops = self.stop
@@ -142,6 +150,9 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+_MAX_TOP_LOGPROBS = 20  # OpenAI's bound (edgeinfer.scoring.MAX_TOP_LOGPROBS)
 
 
 def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:

@@ -20,10 +20,17 @@ from .errors import InvalidRequestError
 from .sampling import is_int
 
 if TYPE_CHECKING:
-    from .generation import KVHistory
     from .runtimes.base import Backend
 
-__all__ = ["MAX_TOP_LOGPROBS", "Scores", "log_softmax", "score", "top_alternatives"]
+__all__ = [
+    "MAX_TOP_LOGPROBS",
+    "Scores",
+    "TokenLogprob",
+    "log_softmax",
+    "score",
+    "token_logprob",
+    "top_alternatives",
+]
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 PASS = 32  # continuation tokens per forward pass: within every backend's batch
@@ -43,6 +50,22 @@ class Scores:
     def total(self) -> float:
         """The continuation's log-probability: the sum over its tokens."""
         return float(sum(self.logprobs))
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (raw logits: before temperature,
+    penalties, bias or a grammar's mask), and the ``top_logprobs`` likeliest at its place."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """``token``'s TokenLogprob from one position's [vocab] logits."""
+    lp = log_softmax(logits)
+    return TokenLogprob(int(token), float(lp[token]), top_alternatives(lp, top))
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -72,7 +95,7 @@ def check_top(top_logprobs: object) -> int:
 
 def score(
     backend: Backend,
-    history: KVHistory,
+    history: Any,  # the model's generation.KVHistory
     prompt: Sequence[int],
     continuation: Sequence[int],
     top_logprobs: int = 0,

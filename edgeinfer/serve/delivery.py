@@ -95,8 +95,9 @@ class GenerationReply:
         if result.finish_reason == "cancelled":  # by a shutdown: the client is still here
             return await conn.error(shutting_down()), figs
         body = self.shape.whole(
-            "".join(parts), result.finish_reason, result.stats, result.tool_calls
-        )
+            "".join(parts), result.finish_reason, result.stats, result.tool_calls,
+            result.logprobs,
+        )  # fmt: skip
         return await conn.json(200, body), figs
 
 

@@ -193,12 +193,20 @@ async def _accept(ctx: Context, request: Request, kind: str) -> tuple[Parsed, An
     else:
         parsed = (wire.parse_chat if kind == "chat" else wire.parse_completion)(body, defaults)
         rid = wire.new_id("chatcmpl" if kind == "chat" else "cmpl")
-        shape = wire.Shape(kind, rid, ctx.config.name, wire.now(), parsed.include_usage)
+        shape = wire.Shape(kind, rid, ctx.config.name, wire.now(), parsed.include_usage,
+                           _token_bytes(ctx.model, parsed.sampling))  # fmt: skip
     wire.check_model(ctx.config.name, parsed.model, ctx.config.any_model_name)
     try:
         return parsed, shape, admit(ctx.model, parsed, ctx.admission)
     except InvalidRequestError as exc:  # a prompt over the context, a bad setting
         raise invalid(exc, shape.prompt_param, shape.param_names) from None
+
+
+def _token_bytes(model: Any, sampling: dict[str, Any]) -> Any:
+    """A token's UTF-8 text for the reply's logprobs; None when the request asked for none."""
+    if sampling.get("top_logprobs") is None:
+        return None
+    return model.token_bytes
 
 
 def _authorize(ctx: Context, request: Request) -> None:

@@ -127,6 +127,7 @@ class ResponseShape:
         reason: str | None,
         stats: GenerationStats,
         tool_calls: tuple[dict[str, Any], ...] = (),
+        token_logprobs: tuple[Any, ...] = (),  # never asked for: top_logprobs is refused
     ) -> dict[str, Any]:
         """The non-streamed reply: its message (when it has text, or no calls), its calls."""
         output = []

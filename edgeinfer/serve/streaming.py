@@ -31,13 +31,15 @@ async def stream(conn: Connection, shape: wire.Shape, first: Chunk) -> tuple[int
     opening = shape.opening()
     if opening is not None:
         await _event(conn, opening)
-    what, value, calls = "chunk", first, 0
+    what, value, calls, sent = "chunk", first, 0, 0
     while True:
         if what == "chunk" and (value.text or value.tool_calls or value.finish_reason):
-            await _event(
-                conn, shape.chunk(value.text, value.finish_reason, value.tool_calls, calls)
-            )
+            event = shape.chunk(value.text, value.finish_reason, value.tool_calls, calls)
+            if getattr(shape, "token_bytes", None) is not None:
+                event["choices"][0]["logprobs"] = shape.logprobs(value.logprobs, sent)
+            await _event(conn, event)
             calls += len(value.tool_calls)
+            sent += len(value.text)
         elif what == "end":
             if shape.include_usage:
                 await _event(conn, shape.usage_tail(value.stats))

@@ -17,6 +17,7 @@ from ..chat import validate_messages
 from ..errors import InvalidRequestError
 from ..generation import GenerationStats
 from ..tools.spec import check_parallel, check_tool_choice, check_tools
+from . import logprobs
 
 __all__ = [
     "ChatRequest",
@@ -32,8 +33,6 @@ __all__ = [
 # Fields that change what OpenAI would return and that edgeinfer does not do: refused unless
 # they hold their "off" value. Other unknown fields (user, metadata, store, ...) are ignored.
 _REFUSED = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "echo": (None, False),
@@ -107,7 +106,7 @@ class CompletionRequest(_Common):
 def parse_chat(body: Any, defaults: str = "edgeinfer") -> ChatRequest:
     """A chat request; ``defaults`` names the sampling a field left out takes
     (SAMPLING_DEFAULTS)."""
-    common = _common(body, ("max_completion_tokens", "max_tokens"), defaults)
+    common = _common(body, ("max_completion_tokens", "max_tokens"), defaults, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "must be a non-empty list of {role, content} objects")
@@ -139,7 +138,7 @@ def _checked(check: Any, *args: Any) -> Any:
 
 
 def parse_completion(body: Any, defaults: str = "edgeinfer") -> CompletionRequest:
-    common = _common(body, ("max_tokens",), defaults)
+    common = _common(body, ("max_tokens",), defaults, "completion")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -148,7 +147,7 @@ def parse_completion(body: Any, defaults: str = "edgeinfer") -> CompletionReques
     return CompletionRequest(**common, prompt=prompt)
 
 
-def _common(body: Any, length_keys: tuple[str, ...], defaults: str) -> dict[str, Any]:
+def _common(body: Any, length_keys: tuple[str, ...], defaults: str, kind: str) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise WireError(400, "the request body must be a JSON object", code="invalid_json")
     for key, allowed in _REFUSED.items():
@@ -171,6 +170,9 @@ def _common(body: Any, length_keys: tuple[str, ...], defaults: str) -> dict[str,
         )
     stream, include_usage = _streaming(body)
     sampling = _sampling(body, length_keys, SAMPLING_DEFAULTS[defaults])
+    top = logprobs.requested(body, kind, bad)
+    if top is not None:
+        sampling["top_logprobs"] = top
     return {"model": model, "stream": stream, "include_usage": include_usage, "sampling": sampling}
 
 
@@ -395,6 +397,8 @@ class Shape:
     model: str
     created: int
     include_usage: bool = False
+    # the model's token -> UTF-8 bytes, for logprobs (None: the request asked for none)
+    token_bytes: logprobs.TokenText | None = None
     # the request's own names of edgeinfer's settings where they differ (replies.invalid)
     param_names: ClassVar[dict[str, str] | None] = None
 
@@ -409,9 +413,11 @@ class Shape:
         reason: str | None,
         stats: GenerationStats,
         tool_calls: tuple[dict[str, Any], ...] = (),
+        token_logprobs: tuple[Any, ...] = (),
     ) -> dict[str, Any]:
         """The non-streamed reply."""
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish(reason)}
+        choice["logprobs"] = self.logprobs(token_logprobs)
         if self.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
             if tool_calls:
@@ -421,7 +427,7 @@ class Shape:
                     "tool_calls": list(tool_calls),
                 }
         else:
-            choice |= {"text": text, "logprobs": None}
+            choice["text"] = text
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {
             "id": self.rid,
@@ -451,6 +457,14 @@ class Shape:
                 delta["tool_calls"] = [{"index": first + i, **c} for i, c in enumerate(calls)]
             return chat_chunk(self.rid, self.model, self.created, delta, reason)
         return completion_chunk(self.rid, self.model, self.created, text, reason)
+
+    def logprobs(self, items: tuple[Any, ...], offset: int = 0) -> dict[str, Any] | None:
+        """``choices[0].logprobs`` for ``items`` (TokenLogprob), or None when not asked."""
+        if self.token_bytes is None:
+            return None
+        if self.kind == "chat":
+            return logprobs.chat_logprobs(items, self.token_bytes)
+        return logprobs.completion_logprobs(items, self.token_bytes, offset)
 
     def usage_tail(self, stats: GenerationStats | None) -> dict[str, Any]:
         return self.chunk("", None) | {"choices": [], "usage": usage(stats)}
