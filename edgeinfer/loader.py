@@ -236,9 +236,7 @@ def _fitted(
     source: ModelSource, config: LoadConfig, budget: int | str | None, parallel: int | str
 ) -> LoadConfig:
     """``config`` with the slots, context and batch the memory plan for ``source`` allows."""
-    shape = shape_of(source)
-    if source.format == "gguf" and config.kv_dtype == "float32":  # llama.cpp's F32 cache
-        shape = dataclasses.replace(shape, kv_element_bytes=4)
+    shape = shape_of(source, config.kv_dtype)
     memory = plan_memory(
         shape,
         budget=budget,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelShape", "shape_of"]
+__all__ = ["ModelShape", "gguf_shape", "shape_of"]
 
 
 @dataclass(frozen=True)
@@ -47,14 +47,17 @@ class ModelShape:
         )
 
 
-def shape_of(source: Any) -> ModelShape:
-    """The ModelShape of a resolved model (``loader.ModelSource``)."""
+def shape_of(source: Any, kv_dtype: str = "auto") -> ModelShape:
+    """The ModelShape of a resolved model (``loader.ModelSource``) with the KV cache type
+    ``load(kv_dtype=)`` asks for (an ONNX folder's is its graph's)."""
     if source.format == "gguf":
-        return _gguf_shape(source.header)
+        return gguf_shape(source.header, kv_dtype)
     return _onnx_shape(source.path, source.header)
 
 
-def _gguf_shape(header: Any) -> ModelShape:
+def gguf_shape(header: Any, kv_dtype: str = "auto") -> ModelShape:
+    """A GGUF header's shape as llama.cpp runs it: its KV cache is f16 unless float32 is
+    asked for (the one rule the plan and the backend's ``kv_nbytes`` share)."""
     n_head = int(header.arch_value("attention.head_count", 1)) or 1
     n_embd = int(header.arch_value("embedding_length", 0))
     tokens = header.metadata.get("tokenizer.ggml.tokens")
@@ -70,7 +73,7 @@ def _gguf_shape(header: Any) -> ModelShape:
         n_kv_heads=int(header.arch_value("attention.head_count_kv", n_head)),
         head_dim_k=int(header.arch_value("attention.key_length", n_embd // n_head)),
         head_dim_v=int(header.arch_value("attention.value_length", n_embd // n_head)),
-        kv_element_bytes=2,  # llama.cpp's default KV cache type: f16
+        kv_element_bytes=4 if kv_dtype == "float32" else 2,
         n_vocab=n_vocab,
         trained_context=int(header.arch_value("context_length", 0)),
         files=(str(Path(header.path).resolve()),) if getattr(header, "path", None) else (),

@@ -38,6 +38,7 @@ from edgeinfer.errors import (
 )
 from edgeinfer.gguf_checks import check_gguf_model
 from edgeinfer.gguf_file import GGUFHeader
+from edgeinfer.model_shape import gguf_shape
 from edgeinfer.policy import Candidate
 
 from .base import (
@@ -55,7 +56,6 @@ logger = logging.getLogger(__name__)
 _engine_log = logging.getLogger(__name__ + ".engine")
 
 _MAX_BATCH = 512  # tokens per llama_decode call during prefill
-_KV_ELEMENT_BYTES = 2  # llama.cpp's default KV cache type is f16
 # llama_token_attr bits (llama.h): a token's GGUF type as llama.cpp reads it
 _ATTR_UNKNOWN = 1 << 0
 _ATTR_UNUSED = 1 << 1
@@ -217,7 +217,8 @@ class LlamaCppBackend:
         except BaseException:
             self.close()
             raise
-        self._kv_nbytes = _kv_cache_bytes(header, self._n_ctx * self._n_slots)
+        per_token = gguf_shape(header, self._kv_dtype).kv_bytes_per_token
+        self._kv_nbytes = per_token * self._n_ctx * self._n_slots
         self._info = {
             "backend": "llama.cpp",
             "engine_version": getattr(llama, "__version__", "unknown"),
@@ -487,14 +488,3 @@ class LlamaCppBackend:
             self.close()
         except Exception:  # interpreter shutdown: the bindings may already be gone
             pass
-
-
-def _kv_cache_bytes(header: GGUFHeader, n_ctx: int) -> int:
-    """2 (K and V) x layers x KV heads x head size x n_ctx x bytes per element."""
-    n_layer = int(header.arch_value("block_count", 0))
-    n_head = int(header.arch_value("attention.head_count", 1)) or 1
-    n_head_kv = int(header.arch_value("attention.head_count_kv", n_head))
-    n_embd = int(header.arch_value("embedding_length", 0))
-    k_size = int(header.arch_value("attention.key_length", n_embd // n_head))
-    v_size = int(header.arch_value("attention.value_length", n_embd // n_head))
-    return n_layer * n_head_kv * (k_size + v_size) * n_ctx * _KV_ELEMENT_BYTES
