@@ -1,0 +1,315 @@
+"""Where the figures of docs/memory.md and docs/converting.md come from (see figure_sources)."""
+
+from __future__ import annotations
+
+from tests.figure_values import (
+    each,
+    hi,
+    lo,
+    matched,
+    results,
+    under,
+)
+from tests.figures import (
+    Spec,
+    bare,
+    frac_pct,
+    gb_bytes,
+    given,
+    load,
+    mb,
+    mb_bytes,
+    pct,
+    sec,
+    spec,
+    times,
+    tps,
+)
+
+MEM = "docs/memory.md"
+CONV = "docs/converting.md"
+GGUF = results("memory-gguf.json")
+INT8 = results("memory-onnx-int8.json")
+TRIM = results("onnx_memory_trim.json")
+KV16 = results("onnx_memory_kv16.json")
+SESSIONS = results("onnx_memory_sessions.json")
+LONG = {c: results(f"onnx_memory_long_{c}.json") for c in ("2048", "8192")}
+TINY = {f: results(f"onnx_memory_tiny_{f}.json") for f in ("llama", "qwen2", "gemma3")}
+PREFILL = results("kv16_prefill.json")
+AGREE16 = results("agreement_kv16.json")
+KV16_SPEED = results("onnx_kv16_speed.json")
+IDLE = results("busy_cpu_idle.json")
+AGREE = results("agreement.json")
+VALID = results("onnx-validation.json")
+INT4 = results("int4_route.json")
+CONVERT = results("gguf_convert.json")
+QUANTS = results("gguf_quants.json")
+
+A_SETTING = "a setting"
+
+
+def _plan_row(f, i: int, budget) -> list:
+    """A row of the memory-plan table: budget, context, batch, at load, planned, peak, error."""
+    case = under(f, "cases", i)
+    return [
+        budget(case("plan", "budget")),
+        bare(case("plan", "context_length")),
+        bare(case("plan", "batch_size")),
+        mb_bytes(case("plan", "loaded")),
+        mb_bytes(case("plan", "total")),
+        mb_bytes(case("peak_rss")),
+        frac_pct(case("error_vs_peak")),
+    ]
+
+
+def _onnx_row(f, context: str) -> list:
+    """A row of the ONNX-route tables: three peaks (MB) and two ratios to llama-cpp-python."""
+    s = under(f, "summary_mb", context)
+    return [
+        mb(s("onnx-native", "peak_rss")),
+        mb(s("onnx-native-kv16", "peak_rss")),
+        mb(s("llama-cpp-python", "peak_rss")),
+        bare(s("native_peak_over_llama_cpp_python")),
+        bare(s("native_kv16_peak_over_llama_cpp_python")),
+    ]
+
+
+def _starts_ends(*files) -> object:
+    return each(
+        *(f("load_average_start", 0) for f in files), *(f("load_average_end", 0) for f in files)
+    )
+
+
+_PAIRS = (
+    "llama.cpp f16 KV vs llama.cpp f32 KV",
+    "llama.cpp f16 KV vs native ONNX",
+    "llama.cpp f32 KV vs native ONNX",
+)
+
+
+def _pair_row(pair: str) -> list:
+    p = under(AGREE, "pairs", pair)
+    return [
+        bare(p("top1_agreement")),
+        bare(p("greedy_agreement")),
+        bare(p("decisive_top1_agreement")),
+        bare(p("decisive_positions")),
+        bare(p("greedy_agreement_beyond_ties")),
+        bare(p("mean_kl")),
+        bare(p("relative_kl")),
+    ]
+
+
+def _int4_row(graph: str, ratio: str | None, speed: bool = True) -> list:
+    fid = under(INT4, "fidelity", graph)
+    row = [frac_pct(fid("top1_agreement")), bare(fid("mean_kl")), bare(fid("greedy_prefix_mean"))]
+    if speed:
+        row.append(bare(INT4("speed", graph, "decode_tok_s_median")))
+    if ratio:
+        row.append(times(INT4("decode_ratio", f"{ratio} / ortgenai-int4", "median")))
+    return row
+
+
+def _quant_row(i: int) -> list:
+    r = under(QUANTS, "rows", i)
+    return [
+        mb(r("size_mb")),
+        pct(r("top1_agreement_pct")),
+        pct(r("greedy_agreement_pct")),
+        bare(r("mean_kl")),
+        frac_pct(QUANTS("rows", i, "report", "decisive_top1_agreement")),
+    ]
+
+
+def _validation_row(quant: str) -> list:
+    r = under(VALID, "rows", quant)
+    return [pct(r("top1_agreement_pct")), pct(r("greedy_agreement_pct")), bare(r("mean_kl"))]
+
+
+def _prefill(model: str) -> object:
+    return PREFILL("results", {"model": model, "prompt_tokens": 1024}, "pp_tok_s", "median")
+
+
+def _kv16_speed(engine: str) -> object:
+    return KV16_SPEED("summary", "2048", engine, "decode_tok_s")
+
+
+DOCS_SPECS: list[Spec] = [
+    spec(MEM, "- **Plan**: the process now", given("2x", "a formula (2 x layers x ...)")),
+    spec(
+        MEM,
+        "- **Margin**: 4 MiB + 2% of the plan",
+        given("4 MiB", A_SETTING),
+        given("2%", A_SETTING),
+        given("5%", A_SETTING),
+        given("2 MiB", A_SETTING),
+        given("5%", A_SETTING),
+    ),
+    spec(
+        MEM, "Measured with `python benchmarks/bench_memory.py --budgets", given("95%", A_SETTING)
+    ),
+    spec(
+        MEM,
+        "| model | budget | context | batch | at load |",
+        *(_plan_row(GGUF, i, mb_bytes) for i in range(3)),
+        _plan_row(INT8, 1, mb_bytes),
+        _plan_row(INT8, 2, gb_bytes),
+        _plan_row(INT8, 3, gb_bytes),
+    ),
+    spec(
+        MEM,
+        "The int8 plan counts its 113 MB fp32 embedding",
+        given("113 MB", "computed: 49,152 x 576 float32 weights"),
+        mb(matched(INT8("cases", 0, "budget"), r"(\d+)MB")),
+        mb(matched(INT8("cases", 0, "error"), r"needs (\d+) MB")),
+    ),
+    spec(
+        MEM,
+        "`edgeinfer devices MODEL --inventory tests/data/machines/raspberry",
+        given("1 GB", "a board's RAM"),
+        given("1 GB", "a board's RAM"),
+    ),
+    spec(
+        MEM,
+        "**The ONNX route beside llama.cpp.**",
+        load(TRIM("load_average_start", 0)),
+        load(hi(TRIM("runs", "*", "load_after"))),
+    ),
+    spec(MEM, "| 2048 | 306.3 MB |", _onnx_row(TRIM, "2048"), _onnx_row(TRIM, "8192")),
+    spec(
+        MEM,
+        "Peak resident set (`VmHWM`). What changed this round",
+        mb(KV16("summary_mb", "2048", "onnx-native", "peak_rss")),
+        bare(SESSIONS("session_summary_mb", "no-prepacking", "decode_tok_s")),
+        tps(SESSIONS("session_summary_mb", "default", "decode_tok_s")),
+        load(lo(_starts_ends(KV16, SESSIONS, *TINY.values()))),
+        load(hi(_starts_ends(KV16, SESSIONS, *TINY.values()))),
+        *(times(TINY[f]("summary_mb", "256", "native_peak_over_llama_cpp_python")) for f in TINY),
+    ),
+    spec(
+        MEM,
+        "A prompt that fills the context moves every engine's peak",
+        load(lo(_starts_ends(*LONG.values()))),
+        load(hi(_starts_ends(*LONG.values()))),
+    ),
+    spec(
+        MEM, "| 2048 | 419.6 MB |", _onnx_row(LONG["2048"], "2048"), _onnx_row(LONG["8192"], "8192")
+    ),
+    spec(
+        MEM,
+        "onnxruntime's CPU attention on a float16 cache",
+        tps(_prefill("b179c9523d0e6a0f-native-v3-kv16")),
+        tps(_prefill("b179c9523d0e6a0f-native-v3")),
+    ),
+    spec(
+        MEM,
+        "The plan stays above the peak on both routes",
+        bare(TRIM("summary_mb", "2048", "onnx-native", "planned")),
+        mb(TRIM("summary_mb", "8192", "onnx-native", "planned")),
+        bare(TRIM("summary_mb", "2048", "onnx-native-kv16", "planned")),
+        mb(TRIM("summary_mb", "8192", "onnx-native-kv16", "planned")),
+        bare(LONG["2048"]("summary_mb", "2048", "onnx-native-kv16", "planned")),
+        mb(LONG["8192"]("summary_mb", "8192", "onnx-native-kv16", "planned")),
+    ),
+    spec(
+        MEM,
+        "**float16 KV: fidelity and speed.**",
+        bare(AGREE16("pairs", _PAIRS[1], "top1_agreement")),
+        bare(AGREE16("pairs", _PAIRS[2], "top1_agreement")),
+        bare(AGREE16("pairs", _PAIRS[1], "greedy_agreement_beyond_ties")),
+        bare(AGREE16("pairs", _PAIRS[0], "top1_agreement")),
+        load(AGREE16("load_average", "before", 0)),
+        bare(AGREE16("load_average", "after", 0)),
+        load(KV16_SPEED("load_average_start", 0)),
+        load(KV16_SPEED("load_average_end", 0)),
+        tps(_kv16_speed("onnx-native-kv16")),
+        tps(_kv16_speed("onnx-native")),
+        times(_kv16_speed("onnx-native-kv16") / _kv16_speed("onnx-native")),
+        tps(lo(KV16_SPEED("runs", "*", "decode_tok_s"))),
+        tps(hi(KV16_SPEED("runs", "*", "decode_tok_s"))),
+        tps(_kv16_speed("onnx-native")),
+        tps(IDLE("summary", {"route": "onnxruntime", "hogs": 0}, "median_decode_tok_s", "default")),
+    ),
+    spec(
+        CONV,
+        "The verdict does not count near-ties.",
+        given("0.5", A_SETTING),
+        given("0.5", A_SETTING),
+        given("0.90", "a default (--min-top1)"),
+        given("0.60", "a default (--min-greedy)"),
+        given("0.05", A_SETTING),
+    ),
+    spec(
+        CONV,
+        "| quant | top-1 agreement | greedy agreement | mean KL | passes |",
+        *(_validation_row(q) for q in ("fp32", "int8wo", "int8", "int4")),
+    ),
+    spec(
+        CONV,
+        "int8 is ONNX Runtime's dynamic quantization with 7-bit",
+        frac_pct(VALID("rows", "int8", "report", "greedy_agreement_beyond_ties")),
+    ),
+    spec(
+        CONV,
+        "Through the native builder (`keep`), the reference is llama.cpp",
+        load(AGREE("load_average", "before", 0)),
+        load(hi(AGREE("load_average", "*", 0))),
+    ),
+    spec(
+        CONV,
+        "| pair | top-1 | greedy | decisive top-1 (positions) |",
+        *(_pair_row(p) for p in _PAIRS),
+    ),
+    spec(
+        CONV,
+        "**The lossy int4 route.**",
+        bare(INT4("float_source", "vs_genai_source", "ffn_max_abs_diff")),
+    ),
+    spec(
+        CONV,
+        "Measured against llama.cpp on the F32 source, teacher-forced",
+        load(lo(each(INT4("load_at_start"), INT4("load_at_end")))),
+        load(hi(each(INT4("load_at_start"), INT4("load_at_end")))),
+    ),
+    spec(
+        CONV,
+        "| graph | top-1 agreement | mean KL | greedy prefix |",
+        _int4_row("exact", "exact"),
+        _int4_row("int4-search-head8", "int4-search-head8"),
+        _int4_row("int4-search", "int4-search"),
+        _int4_row("int4-rtn-head8", None, speed=False),
+        _int4_row("ortgenai-int4", None),
+    ),
+    spec(
+        CONV,
+        "Against the issue's targets: agreement at least genai's",
+        frac_pct(INT4("fidelity", "int4-search-head8", "top1_agreement")),
+        frac_pct(INT4("fidelity", "ortgenai-int4", "top1_agreement")),
+        bare(INT4("fidelity", "int4-search-head8", "mean_kl")),
+        bare(INT4("fidelity", "ortgenai-int4", "mean_kl")),
+        times(INT4("decode_ratio", "int4-search-head8 / ortgenai-int4", "median")),
+        times(INT4("decode_ratio", "int4-search / ortgenai-int4", "median")),
+        times(lo(INT4("decode_ratio", "int4-search / ortgenai-int4", "rounds"))),
+        frac_pct(INT4("fidelity", "int4-search", "top1_agreement")),
+        frac_pct(INT4("fidelity", "int4-rtn-head8", "top1_agreement")),
+        sec(INT4("quantize_embedding", "cpu_s")),
+    ),
+    spec(
+        CONV,
+        "The GGUF writer needs neither torch nor a llama.cpp checkout",
+        mb_bytes(CONVERT("checkpoint_bytes")),
+        mb_bytes(CONVERT("peak_write")),
+        sec(CONVERT("write_s")),
+    ),
+    spec(
+        CONV,
+        "Checked on the default model (`tests/test_convert_gguf.py`)",
+        load(lo(each(QUANTS("load_average_before"), QUANTS("load_average_after")))),
+        load(hi(each(QUANTS("load_average_before"), QUANTS("load_average_after")))),
+    ),
+    spec(
+        CONV,
+        "| quant | size | top-1 agreement | greedy agreement |",
+        *(_quant_row(i) for i in range(3)),
+    ),
+]
