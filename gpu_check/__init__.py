@@ -1,0 +1,1 @@
+"""The prepared GPU check (gpu_check/README.md)."""
