@@ -22,6 +22,8 @@ import re
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests import figure_conditions as fc
 from tests import figure_values as fv
@@ -220,6 +222,27 @@ def test_the_rounding_written_is_the_check() -> None:
     assert fg.judge(fg.Figure("0.88", "%", 1, 0, 0, 4), fg.times(field)) is not None  # unit
     assert fg.judge(fg.Figure("3", "\u00d7", 1, 0, 0, 1), fg.given("3x", "a target")) is None
     assert fg.judge(fg.Figure("4", "\u00d7", 1, 0, 0, 1), fg.given("3x", "a target"))
+
+
+@settings(deadline=None)
+@given(
+    st.floats(min_value=-1e7, max_value=1e7, allow_nan=False),
+    st.integers(min_value=0, max_value=6),
+    st.sampled_from([0.9, 1.1]),
+)
+def test_any_value_at_its_rounding_passes_and_a_tenth_off_fails(
+    value: float, digits: int, factor: float
+) -> None:
+    """For any value and any number of digits: the value written at that rounding is right,
+    and the same figure a tenth off (or one unit of its last digit, when coarser) is not."""
+    written = f"{value:.{digits}f}"
+    written = written.lstrip("-") if not written.strip("-0.") else written
+    (block,) = fg.blocks("x.md", f"## H\n\nThe peak was {written} MB here.\n")
+    entries = (fg.mb(fv.Const(value)),)
+    assert [str(f) for f in fg.figures(block)] == [f"{written} MB"]
+    assert not fg.check(block, entries)
+    (figure,) = fg.figures(block)
+    assert fg.check(fg.perturbed(block, figure, factor), entries)
 
 
 def test_the_rules_catch_what_issue_35_found() -> None:
