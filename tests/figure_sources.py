@@ -3,8 +3,9 @@
 One ``spec`` per block that holds figures: the page, a piece of the block's text that finds
 it, then one entry per figure in the order the block writes them. ``R(...)`` is a field of
 the results file bound to ``R``; arithmetic over fields is a derived figure; ``given`` is a
-figure that is not a measurement, with its reason. The pages with the long tables are in
-``figure_sources_bench.py``.
+figure that is not a measurement, with its reason. Short pages are here; docs/memory.md and
+docs/converting.md are in ``figure_sources_docs.py``, docs/performance.md in
+``figure_sources_bench.py`` and benchmarks/README.md in ``figure_sources_readme.py``.
 """
 
 from __future__ import annotations
