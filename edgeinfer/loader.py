@@ -17,17 +17,27 @@ from typing import TYPE_CHECKING, Any
 
 from . import catalog
 from .config import LoadConfig
+from .draft_model import DraftModel
+from .draft_vocab import check_files, check_tokenizers
 from .embedding_gguf import is_embedding_gguf, load_gguf_embedding
 from .embedding_load import load_encoder, refuse_generation_options
-from .errors import BackendUnavailableError, EdgeInferError, InvalidRequestError, ModelLoadError
+from .errors import (
+    BackendUnavailableError,
+    EdgeInferError,
+    InvalidRequestError,
+    MemoryBudgetError,
+    ModelLoadError,
+)
 from .inventory import devices
 from .manifest import MANIFEST_NAME, PARTIAL_MARKER, Manifest
 from .memory import FitAtLoad, check_parallel, plan_memory
+from .memory_plan import mb
 from .model import Model
-from .model_shape import shape_of
+from .model_shape import ModelShape, shape_of
 from .model_source import ModelSource, resolve
 from .policy import normalise_device, plan_providers
 from .routes import Route, check_engine, choose_route
+from .rss import peak_rss
 from .runtimes import open_backend
 from .speculative import SpeculativeConfig, parse_speculative
 from .state.prompt_cache import PromptCache
@@ -86,7 +96,9 @@ def load(
     bit-exact agreement with llama.cpp's defaults for speed on GGUF models.
     ``prompt_cache``: a folder (or True) keeping long prompts' KV on disk (``edgeinfer.state``).
     ``kv_dtype``: the KV cache's type ("auto": the model's own; "float16" halves the ONNX
-    route's, docs/memory.md). ``speculative``: requests' default (``edgeinfer.speculative``).
+    route's, docs/memory.md). ``speculative``: requests' default (``edgeinfer.speculative``);
+    "draft:NAME" opens the draft model NAME (a catalog name or a path) beside this one, at
+    parallel=1: its vocabulary must be this model's exactly, and its memory is planned too.
     """
     cache, spec, asked = _check_options(context_overflow, allow_fallback, engine, prompt_cache,
                                         speculative)  # fmt: skip
@@ -97,8 +109,12 @@ def load(
     if _is_embedding_model(named):
         asked["parallel"] = parallel
         return _load_embedding_model(named, config, memory_budget, allow_fallback, spec, asked)
-    source, route, config = _routed(model, named, config, memory_budget, parallel, engine)
+    draft = _draft_source(spec, named, config.device, engine, parallel)
+    source, route, config = _routed(model, named, config, memory_budget, parallel, engine,
+                                    draft[0] if draft else None)  # fmt: skip
     backend, chain = _open(source, config, allow_fallback)
+    if draft is not None:
+        spec = _open_draft(spec, draft, (named.name, backend), config, allow_fallback)
     return _model(backend, source, chain, config, route, context_overflow, cache, spec)
 
 
@@ -138,20 +154,88 @@ def _routed(
     budget: int | str | None,
     parallel: int | str,
     engine: str,
+    draft: ModelSource | None = None,
 ) -> tuple[ModelSource, Route, LoadConfig]:
     """The source to open (the named one or its ONNX transcode), the route that chose it,
-    and ``config`` fitted to the memory plan for its slots. ``parallel="auto"`` takes the
-    route of many slots; if the plan then holds one slot only, the route of one."""
+    and ``config`` fitted to the memory plan for its slots (and ``draft``, a draft model's
+    source). ``parallel="auto"`` takes the route of many slots; if the plan then holds one
+    slot only, the route of one."""
     wanted = 2 if parallel == "auto" else int(parallel)
     route = route_for(model, named, config.device, parallel=wanted, engine=engine)
     source = _source_for(named, route, config.kv_dtype)
-    fitted = _fitted(source, config, budget, parallel)
+    shape = shape_of(draft) if draft is not None else None
+    fitted = _fitted(source, config, budget, parallel, shape)
     if fitted.parallel == 1 and wanted > 1:
         single = route_for(model, named, config.device, parallel=1, engine=engine)
         if single.format != route.format:
             route, source = single, named
             fitted = _fitted(source, config, budget, 1)
     return source, route, fitted
+
+
+def _draft_source(
+    spec: SpeculativeConfig, target: ModelSource, device: str, engine: str, parallel: int | str
+) -> tuple[ModelSource, bool] | None:
+    """For ``speculative="draft:NAME"``: the draft model's source to open (routed as the
+    target is, at one slot) and whether its vocabulary was compared with the target's here
+    (files of one format; else the opened tokenizers are compared). None for other settings."""
+    if spec.method != "draft" or spec.draft is None:
+        return None
+    setting = f"draft:{spec.draft}"
+    if parallel != 1:
+        raise InvalidRequestError(
+            f"speculative={setting!r:.80} runs at parallel=1 (at parallel > 1 speculation steps "
+            "aside): load with parallel=1, or leave speculative at 'off'"
+        )
+    try:
+        named = resolve(spec.draft)
+    except EdgeInferError as exc:
+        raise type(exc)(f"speculative={setting!r:.80}: the draft model: {exc}") from exc
+    if _is_embedding_model(named):
+        raise InvalidRequestError(
+            f"speculative={setting!r:.80}: {named.name} is an embedding model and generates no "
+            "tokens; a draft model is a smaller generative model of the same vocabulary"
+        )
+    checked = check_files(target, named, setting)
+    route = route_for(spec.draft, named, device, parallel=1, engine=engine)
+    return _source_for(named, route, "auto"), checked
+
+
+def _open_draft(
+    spec: SpeculativeConfig,
+    draft: tuple[ModelSource, bool],
+    target: tuple[str, Backend],
+    config: LoadConfig,
+    allow_fallback: bool,
+) -> SpeculativeConfig:
+    """``spec`` with its draft model opened: one slot of the target's context, the same
+    device and threads. The target (and the draft) are closed again if it cannot be used."""
+    source, checked = draft
+    name, backend = target
+    plan = config.fit_context.plan  # type: ignore[union-attr]
+    draft_config = LoadConfig(device=config.device, context_length=backend.n_ctx,
+                              threads=config.threads, flash_attention=config.flash_attention,
+                              batch_size=plan.batch_size, cpu_share=config.cpu_share)  # fmt: skip
+    opened: list[Backend] = [backend]
+    try:
+        opened.append(_open(source, draft_config, allow_fallback)[0])
+        if not checked:
+            check_tokenizers(backend.tokenizer, opened[1].tokenizer, (name, source.name),
+                             f"draft:{spec.draft}")  # fmt: skip
+        if peak_rss() > plan.budget:
+            raise MemoryBudgetError(
+                f"loading {name} and its draft model {source.name} took {mb(peak_rss())} at "
+                f"the peak, over the budget of {mb(plan.budget)} ({plan.budget_source}); use "
+                "a bigger memory_budget, a smaller draft model, or speculative='auto'"
+            )
+    except BaseException:
+        for opened_backend in reversed(opened):
+            opened_backend.close()
+        raise
+    share = plan.draft_weights / plan.weights if plan.weights else 0.3
+    drafter = DraftModel(opened[1], name=spec.draft or source.name, memory=plan.draft,
+                         names=(source.name, str(source.path)), prior_share=share)  # fmt: skip
+    return dataclasses.replace(spec, drafter=drafter)
 
 
 _ENGINES = {"gguf": "llama_cpp", "onnx": "onnxruntime"}  # the engine each format runs on
@@ -233,20 +317,33 @@ def _open(
 
 
 def _fitted(
-    source: ModelSource, config: LoadConfig, budget: int | str | None, parallel: int | str
+    source: ModelSource,
+    config: LoadConfig,
+    budget: int | str | None,
+    parallel: int | str,
+    draft: ModelShape | None = None,
 ) -> LoadConfig:
-    """``config`` with the slots, context and batch the memory plan for ``source`` allows."""
+    """``config`` with the slots, context and batch the memory plan for ``source`` (and a
+    draft model's ``draft``, whose cache holds the same context) allows."""
     shape = shape_of(source, config.kv_dtype)
+    if draft is not None and 0 < draft.trained_context < shape.trained_context:
+        if (config.context_length or 0) > draft.trained_context:
+            raise InvalidRequestError(
+                f"context_length={config.context_length} exceeds the draft model's trained "
+                f"context ({draft.trained_context} tokens); use at most that"
+            )
+        shape = dataclasses.replace(shape, trained_context=draft.trained_context)
     memory = plan_memory(
         shape,
         budget=budget,
         context_length=config.context_length,
         threads=config.resolved_threads,
         parallel=parallel,
+        draft=draft,
         **({"batches": HALF_KV_CPU_BATCHES} if _half_kv_on_cpu(source, shape, config) else {}),
     )
     # the backend re-fits the context to the resident set once it holds the weights
-    fit = FitAtLoad(shape, memory, fixed_context=config.context_length is not None)
+    fit = FitAtLoad(shape, memory, fixed_context=config.context_length is not None, draft=draft)
     return dataclasses.replace(
         config,
         context_length=memory.context_length,
@@ -365,7 +462,7 @@ def native_folder_for(source: ModelSource, kv_dtype: str = "float32") -> Path:
     return catalog.edgeinfer_home() / "derived" / name
 
 
-_NATIVE_FORMAT = 4  # bump when the builder's output changes, so old folders are rebuilt
+_NATIVE_FORMAT = 5  # bump when the builder's output changes, so old folders are rebuilt
 
 
 def _build_native(src: Path, folder: Path, kv_dtype: str = "float32") -> None:
