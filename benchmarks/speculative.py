@@ -151,17 +151,39 @@ def worker(route: str, threads: int, max_new_tokens: int) -> dict[str, Any]:
         for task, requests in tasks().items():
             for i, request in enumerate(requests):
                 extra = {k: v for k, v in request.items() if k != "messages"}
+                mine = []
                 for setting in SETTINGS:
                     r = model.chat(request["messages"], max_new_tokens=max_new_tokens,
                                    temperature=0, speculative=setting, **extra)  # fmt: skip
-                    runs.append({
+                    mine.append({
                         "task": task, "prompt": i, "setting": setting,
                         "token_ids": list(r.token_ids), "tokens": r.stats.completion_tokens,
                         "decode_tok_s": r.stats.decode_tokens_per_s,
                         "drafted": r.stats.draft_tokens, "accepted": r.stats.accepted_tokens,
                     })  # fmt: skip
+                _margins(model, request, extra, max_new_tokens, mine)
+                runs += mine
         info = {"route": model.info.get("route"), "backend": model.info.get("backend")}
     return {"route": route, "info": info, "runs": runs}
+
+
+def _margins(model: Any, request: dict[str, Any], extra: dict[str, Any], n: int,
+             runs: list[dict[str, Any]]) -> None:  # fmt: skip
+    """Where a run's tokens part from plain decoding's: the position, and plain decoding's
+    top-two margin there (nats, from its own logprobs, in an untimed run)."""
+    plain = runs[0]["token_ids"]
+    parted = [r for r in runs[1:] if r["token_ids"] != plain]
+    if not parted:
+        return
+    again = model.chat(request["messages"], max_new_tokens=n, temperature=0, top_logprobs=2,
+                       **extra)  # fmt: skip
+    for r in parted:
+        pairs = enumerate(zip(plain, r["token_ids"], strict=False))
+        at = next((i for i, (a, b) in pairs if a != b), min(len(plain), len(r["token_ids"])))
+        r["diverged_at"] = at
+        if at < len(again.logprobs) and len(again.logprobs[at].top) == 2:
+            (_, first), (_, second) = again.logprobs[at].top
+            r["plain_margin"] = first - second
 
 
 def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -174,7 +196,7 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         table[route] = {}
         for task in tasks():
             for setting in SETTINGS[1:]:
-                ratios, same, drafted, accepted = [], [], 0, 0
+                ratios, same, margins, drafted, accepted = [], [], [], 0, 0
                 for key, base in plain.items():
                     if key[0] != task:
                         continue
@@ -182,6 +204,8 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                     if base["decode_tok_s"] > 0 and mine["decode_tok_s"] > 0:
                         ratios.append(mine["decode_tok_s"] / base["decode_tok_s"])
                     same.append(mine["token_ids"] == base["token_ids"])
+                    if "plain_margin" in mine:
+                        margins.append(mine["plain_margin"])
                     drafted += mine["drafted"]
                     accepted += mine["accepted"]
                 table[route][f"{task}/{setting}"] = {
@@ -192,6 +216,8 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                     "accepted": accepted,
                     "acceptance": accepted / drafted if drafted else None,
                     "identical_to_plain": sum(same) / len(same) if same else None,
+                    # plain decoding's top-two margin (nats) where a reply parted from it
+                    "divergence_margins": sorted(margins),
                     "requests": len(same),
                 }
         table[route]["plain_decode_tok_s_median"] = statistics.median(
