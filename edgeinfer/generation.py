@@ -453,6 +453,6 @@ def run(
             rows, drafts = [_slide(backend, history, step.token, slide_keep)], []
             continue
         room = backend.n_ctx - len(history.tokens) - 2  # a draft never fills the context
-        drafts = draft(speculation, seq.context, room, sampler.constraint)
+        drafts = draft(speculation, seq.context, room, sampler.constraint, history.tokens)
         rows = feed(backend, step.token, drafts, speculation)
         history.tokens.append(step.token)

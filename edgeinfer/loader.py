@@ -96,9 +96,8 @@ def load(
     bit-exact agreement with llama.cpp's defaults for speed on GGUF models.
     ``prompt_cache``: a folder (or True) keeping long prompts' KV on disk (``edgeinfer.state``).
     ``kv_dtype``: the KV cache's type ("auto": the model's own; "float16" halves the ONNX
-    route's, docs/memory.md). ``speculative``: requests' default (``edgeinfer.speculative``);
-    "draft:NAME" opens the draft model NAME (a catalog name or a path) beside this one, at
-    parallel=1: its vocabulary must be this model's exactly, and its memory is planned too.
+    route's, docs/memory.md). ``speculative``: requests' default (``edgeinfer.speculative``;
+    "draft:NAME" also opens a draft model: docs/speculative.md).
     """
     cache, spec, asked = _check_options(context_overflow, allow_fallback, engine, prompt_cache,
                                         speculative)  # fmt: skip
@@ -109,13 +108,30 @@ def load(
     if _is_embedding_model(named):
         asked["parallel"] = parallel
         return _load_embedding_model(named, config, memory_budget, allow_fallback, spec, asked)
+    opened = _opened(model, named, config, memory_budget, parallel, engine, allow_fallback, spec)
+    return _model(*opened, context_overflow, cache)
+
+
+def _opened(
+    model: str | PathLike[str],
+    named: ModelSource,
+    config: LoadConfig,
+    budget: int | str | None,
+    parallel: int | str,
+    engine: str,
+    allow_fallback: bool,
+    spec: SpeculativeConfig,
+) -> tuple[Backend, ModelSource, list[dict[str, Any]], LoadConfig, Route, SpeculativeConfig]:
+    """The generative model ``named`` opened on its route, in its memory plan, with the draft
+    model ``spec`` names, if any: backend, source, provider chain, config, route, setting."""
     draft = _draft_source(spec, named, config.device, engine, parallel)
-    source, route, config = _routed(model, named, config, memory_budget, parallel, engine,
-                                    draft[0] if draft else None)  # fmt: skip
+    source, route, config = _routed(
+        model, named, config, budget, parallel, engine, draft[0] if draft else None
+    )
     backend, chain = _open(source, config, allow_fallback)
     if draft is not None:
         spec = _open_draft(spec, draft, (named.name, backend), config, allow_fallback)
-    return _model(backend, source, chain, config, route, context_overflow, cache, spec)
+    return backend, source, chain, config, route, spec
 
 
 def _model(
@@ -124,9 +140,9 @@ def _model(
     chain: list[dict[str, Any]],
     config: LoadConfig,
     route: Route,
+    speculative: SpeculativeConfig,
     context_overflow: str,
     cache: Any = None,
-    speculative: SpeculativeConfig | None = None,
 ) -> Model:
     memory_plan = config.fit_context.plan
     logger.info("%s memory plan: %s", source.name, memory_plan.describe())

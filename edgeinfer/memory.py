@@ -39,6 +39,11 @@ of CPU one forward pass over 8 tokens costs about what it costs over 1 to 2 (ONN
 throughput at 8, llama.cpp 2.3x), while 16 adds little (ONNX 5.2-6.0x, llama.cpp 2.3-2.6x:
 ``shared/notes/batching.md``) and each stream would slow to a third of its speed alone.
 
+A draft model (``load(..., speculative="draft:NAME")``) is planned beside its target: its
+weights, its engine structures, its KV cache of the target's context (one sequence) and its
+compute buffers for the target's prefill batch, by its own engine's costs. Those terms grow
+with the context, so the context fitted to the budget is the one both caches hold.
+
 Measured at load (``FitAtLoad``). What an engine makes of the weights depends on the machine:
 llama.cpp repacks some quantizations for the CPU's kernels (AVX2, AVX-512, AMX, NEON),
 onnxruntime's MLAS pre-packs int8 weights per instruction set, and the libraries themselves
@@ -85,7 +90,7 @@ import psutil
 
 from .errors import InvalidRequestError, MemoryBudgetError
 from .memory_costs import SLOT_LOGITS_BYTES, THREAD_BYTES, EngineCosts, costs_for
-from .memory_plan import MemoryPlan, mb, slots_text, step_text
+from .memory_plan import MemoryPlan, draft_text, mb, slots_text, step_text
 from .model_shape import ModelShape
 from .rss import peak_rss, resident_with_mapped_files
 
@@ -165,6 +170,7 @@ def plan_memory(
     loaded: int | None = None,
     batches: tuple[int, ...] = _BATCHES,
     parallel: int | str = 1,
+    draft: ModelShape | None = None,
 ) -> MemoryPlan:
     """Plan ``shape``'s memory within ``budget``; raise ``MemoryBudgetError`` if it cannot fit.
 
@@ -174,21 +180,40 @@ def plan_memory(
     weights (see ``FitAtLoad``): it then replaces the estimated process, weights and engine.
     ``parallel`` is the number of sequence slots (each with a ``context_length`` cache), or
     "auto": the most slots, up to ``AUTO_MAX_PARALLEL``, that keep a useful context (see
-    "Many sequences" above).
+    "Many sequences" above). ``draft``: a draft model's shape, planned beside this one (its
+    own slot of the same context).
     """
     costs = costs_for(shape)
     if process is None:
         process = psutil.Process().memory_info().rss
     if engine_loaded is None:
-        engine_loaded = ("llama_cpp" if shape.format == "gguf" else "onnxruntime") in sys.modules
+        engine_loaded = _engine_module(shape) in sys.modules
     if not engine_loaded:
         process += costs.import_bytes
+    if draft is not None and _engine_module(draft) != _engine_module(shape):
+        if _engine_module(draft) not in sys.modules:
+            process += costs_for(draft).import_bytes
     limit, source = _budget(budget, process, available)
     fixed = _fixed_terms(shape, costs, limit, source, process, threads, loaded)
-    sizing = _Sizing(costs, shape, fixed)
+    sizing = _Sizing(costs, shape, fixed, _draft_sizing(draft, limit, source, threads))
     if parallel == "auto":
         return _auto(sizing, context_length, limit, batches)
     return _fit(sizing.with_slots(check_parallel(parallel)), context_length, limit, batches)
+
+
+def _engine_module(shape: ModelShape) -> str:
+    return "llama_cpp" if shape.format == "gguf" else "onnxruntime"
+
+
+def _draft_sizing(
+    draft: ModelShape | None, limit: int, source: str, threads: int
+) -> _Sizing | None:
+    """A draft model's terms: its own weights, engine, one slot of KV and compute (the
+    process it runs in is the target's, counted once)."""
+    if draft is None:
+        return None
+    costs = costs_for(draft)
+    return _Sizing(costs, draft, _fixed_terms(draft, costs, limit, source, 0, threads, None))
 
 
 def check_parallel(parallel: object, *, auto: bool = True) -> int:
@@ -241,6 +266,7 @@ class _Sizing:
     costs: EngineCosts
     shape: ModelShape
     fixed: MemoryPlan
+    drafter: _Sizing | None = None  # a draft model's, planned beside this model
 
     def with_slots(self, parallel: int) -> _Sizing:
         return dataclasses.replace(self, fixed=dataclasses.replace(self.fixed, parallel=parallel))
@@ -262,6 +288,14 @@ class _Sizing:
         draft = dataclasses.replace(
             self.fixed, context_length=ctx, batch_size=batch, compute=compute
         )
+        if self.drafter is not None:  # the draft model: one slot of the same context
+            second = self.drafter.plan(ctx, batch)
+            draft = dataclasses.replace(
+                draft,
+                draft_weights=second.weights,
+                draft_kv=second.kv_cache,
+                draft_other=second.engine + second.compute,
+            )
         return dataclasses.replace(draft, headroom=_headroom(draft))
 
 
@@ -276,7 +310,7 @@ def _budget(budget: int | str | None, process: int, available: int | None) -> tu
 
 def _headroom(draft: MemoryPlan) -> int:
     """The margin on top of ``draft`` (whose headroom is 0): see "Margin" above."""
-    growth = draft.kv_cache + draft.compute
+    growth = draft.kv_cache + draft.compute + draft.draft_kv + draft.draft_other
     return int(_HEADROOM + _HEADROOM_FRACTION * draft.total + _GROWTH_MARGIN_FRACTION * growth)
 
 
@@ -355,6 +389,8 @@ def _refusal(
     advice = ["a bigger memory_budget", "a smaller quantization (a smaller model file)"]
     if cause == "context_length":
         advice.insert(0, "a shorter context_length")
+    if plan.draft:
+        advice.append("a smaller draft model or none (speculative='auto': prompt lookup)")
     if fewer is not None:
         advice.insert(0, f"parallel={fewer} (the most slots of {ctx} tokens this budget holds)")
     before = (
@@ -373,7 +409,7 @@ def _refusal(
         f"the model needs {mb(plan.total)} with {what} but the budget is {mb(plan.budget)} "
         f"({plan.budget_source}): {before}, KV cache {mb(plan.kv_cache)} ({slots_text(plan)}), "
         f"compute {mb(plan.compute)} (activations of {step_text(plan)}, {plan.threads} threads), "
-        f"runtime overhead: {overhead}{per_slot}; use {_either(advice)}"
+        f"runtime overhead: {overhead}{per_slot}{draft_text(plan)}; use {_either(advice)}"
     )
 
 
@@ -396,9 +432,17 @@ class FitAtLoad:
     already passed the budget, raises ``MemoryBudgetError``. ``plan`` is the plan in force.
     """
 
-    def __init__(self, shape: ModelShape, plan: MemoryPlan, *, fixed_context: bool) -> None:
+    def __init__(
+        self,
+        shape: ModelShape,
+        plan: MemoryPlan,
+        *,
+        fixed_context: bool,
+        draft: ModelShape | None = None,
+    ) -> None:
         self._shape = shape
         self._fixed_context = fixed_context
+        self._draft = draft  # a draft model's shape: still planned, loaded after the target
         self.plan = plan
 
     def __call__(self, trained: int) -> int:
@@ -426,6 +470,7 @@ class FitAtLoad:
             loaded=loaded,
             batches=(plan.batch_size,),
             parallel=plan.parallel,
+            draft=self._draft,
         )
         self.plan = dataclasses.replace(fitted, budget_source=plan.budget_source)
         logger.debug(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["MemoryPlan", "mb", "slots_text", "step_text"]
+__all__ = ["MemoryPlan", "draft_text", "mb", "slots_text", "step_text"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,17 @@ class MemoryPlan:
     loaded: int | None = None
     # Sequence slots (load(..., parallel=N)): each holds a context_length-token KV cache.
     parallel: int = 1
+    # A draft model for speculative decoding (load(..., speculative="draft:NAME")): its
+    # weights, its KV cache of context_length tokens, and its engine structures and compute
+    # buffers. 0 without one.
+    draft_weights: int = 0
+    draft_kv: int = 0
+    draft_other: int = 0
+
+    @property
+    def draft(self) -> int:
+        """Everything the draft model takes."""
+        return self.draft_weights + self.draft_kv + self.draft_other
 
     @property
     def kv_per_slot(self) -> int:
@@ -51,13 +62,14 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.resident_before_kv + self.kv_cache + self.compute + self.headroom
+        return self.resident_before_kv + self.kv_cache + self.compute + self.headroom + self.draft
 
     def to_dict(self) -> dict[str, Any]:
         return {
             **asdict(self),
             "kv_per_slot": self.kv_per_slot,
             "kv_cache": self.kv_cache,
+            "draft": self.draft,
             "total": self.total,
         }
 
@@ -71,7 +83,18 @@ class MemoryPlan:
             f"{mb(self.total)} of {mb(self.budget)} ({self.budget_source}): {before}, KV "
             f"cache {mb(self.kv_cache)} ({slots_text(self)}), compute {mb(self.compute)} "
             f"({step_text(self)}, {self.threads} threads), headroom {mb(self.headroom)}"
+            f"{draft_text(self)}"
         )
+
+
+def draft_text(plan: MemoryPlan) -> str:
+    """The draft model's part of a plan, as text ("" without one)."""
+    if not plan.draft:
+        return ""
+    return (
+        f", draft model {mb(plan.draft)} (weights {mb(plan.draft_weights)}, KV cache "
+        f"{mb(plan.draft_kv)}, engine and compute {mb(plan.draft_other)})"
+    )
 
 
 def slots_text(plan: MemoryPlan) -> str:

@@ -24,7 +24,7 @@ from .memory import MemoryPlan
 from .model_parts import attach_cache, checked_token_ids, signals_held
 from .sampling import Sampler, SamplingConfig
 from .scoring import Scores
-from .speculative import OFF, PassCosts, SpeculativeConfig, for_request
+from .speculative import OFF, PassCosts, SpeculativeConfig, check_setting, for_request
 from .state import session
 from .state.sequence import SeqStates
 from .tools import ToolRequest
@@ -78,7 +78,7 @@ class Model:
         self._route = dict(route) if route is not None else None
         self._states: SeqStates | None = None  # save_state / load_state, made when first used
         self._disk = attach_cache(prompt_cache, backend, path, memory_plan)
-        self._speculative, self._costs = speculative or OFF, PassCosts()  # see speculative.py
+        self._spec, self._costs = speculative or OFF, PassCosts()  # see speculative.py
         # parallel > 1: one engine thread steps every caller's sequence together
         self._engine = None
         if getattr(backend, "n_slots", 1) > 1:
@@ -126,6 +126,7 @@ class Model:
         if not isinstance(wait, bool):
             raise InvalidRequestError(f"wait={wait!r} is invalid: expected True or False")
         sampler = generation.check_request(self._backend, ids, cfg)  # raises now, not at next()
+        check_setting(cfg.speculative, self._spec)  # a draft model it was not loaded with
         cancel = threading.Event()
         parse = sampler.constraint.parse if sampler.constraint is not None else None
         if self._engine is not None and eager:
@@ -371,6 +372,7 @@ class Model:
             "parallel": self.parallel,
             "route": dict(self._route) if self._route is not None else None,
             "prompt_cache": self._disk.stats if self._disk is not None else None,
+            "speculative": self._spec.info,  # method, draft model, its planned bytes
         }
 
     @property
@@ -439,6 +441,7 @@ class Model:
                 self._closed = True
                 with signals_held():
                     self._backend.close()
+                    self._spec.close()  # the draft model, if load() opened one
 
     def __enter__(self) -> Model:
         return self
@@ -472,8 +475,7 @@ class Model:
     def _joined(
         self, ids: list[int], sampler: Sampler, cancel: threading.Event, keep: int, wait: bool
     ) -> Iterator[Chunk]:
-        """Serve one request as a sequence of the running batch (joined when iteration
-        starts)."""
+        """Serve one request as a sequence of the running batch (joined as iteration starts)."""
         assert self._engine is not None
         self._require_open()
         slide_keep = keep if self._slide else None
@@ -486,9 +488,7 @@ class Model:
         the final chunk is handed out, so a consumer that stops there holds nothing."""
         final: Chunk | None = None
         args = (self._backend, self._history, ids, sampler, cancel, keep if self._slide else None)
-        spec = for_request(
-            sampler.config.speculative, self._speculative, self._backend, self._costs
-        )
+        spec = for_request(sampler.config.speculative, self._spec, self._backend, self._costs)
         start = partial(generation.run, *args, self._disk, spec)
         with self._turns.turn(wait=wait):
             for chunk in self._open.steps(self._require_open, cancel, start):

@@ -16,18 +16,24 @@ draw equals it. The output distribution is the target's, and under a seed the to
 the plain sampler's. What can differ is arithmetic: a pass over several positions may use
 other kernels than a one-token step, so logits agree only to the engines' own noise.
 
-Adaptive: drafting pays only when enough drafts are kept to cover the longer pass.
-``PassCosts`` times the model's one-token steps and k-token passes as they run; per request
+Drafters: prompt lookup (``PromptLookup``: the tokens that followed an earlier occurrence
+of the text's suffix) or a draft model (``edgeinfer.draft_model.DraftModel``: a smaller model
+of the same vocabulary, opened by ``load(speculative="draft:NAME")``, decoding greedily).
+
+Adaptive: drafting pays only when enough drafts are kept to cover the longer pass (and, with
+a draft model, the draft's own steps). ``PassCosts`` times the model's one-token steps and
+k-token passes as they run, ``DraftCosts`` a draft model's steps; per request
 ``DraftBudget`` tracks the share of drafts kept and drafts the k that maximises expected
 tokens per second, or nothing when no k beats a plain step.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -38,10 +44,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DraftBudget",
+    "DraftCosts",
+    "Drafter",
     "PassCosts",
     "PromptLookup",
     "Speculation",
     "SpeculativeConfig",
+    "check_setting",
     "draft",
     "drop_unkept",
     "feed",
@@ -54,26 +63,65 @@ _DEFAULT_DRAFT = 8
 _NGRAMS = (3, 2, 1)  # suffix lengths the prompt lookup tries, longest first
 
 
+class Drafter(Protocol):
+    """A draft model as speculative decoding uses it (``edgeinfer.draft_model.DraftModel``)."""
+
+    costs: DraftCosts  # its measured steps
+    memory: int  # the bytes the memory plan counted for it
+
+    def propose(self, cached: Sequence[int], pending: int, k: int) -> list[int]: ...
+
+    def matches(self, named: str) -> bool: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """``method``: "off" or "lookup" (draft from the longest suffix match in the prompt and
-    the reply so far); ``max_draft``: tokens drafted per pass at most; ``adaptive``: draft
-    only while the measured gain is above 1 ("auto"), else draft whenever a match exists."""
+    """``method``: "off", "lookup" (draft from the longest suffix match in the prompt and the
+    reply so far) or "draft" (a draft model's greedy tokens); ``max_draft``: tokens drafted
+    per pass at most; ``adaptive``: draft only while the measured gain is above 1 ("auto",
+    "draft:NAME"), else draft whenever there is something to draft; ``draft``: the draft
+    model as named (a catalog name or a path); ``drafter``: the ``DraftModel`` load() opened
+    for it (a request's own setting has none: it uses its model's)."""
 
     method: str = "off"
     max_draft: int = _DEFAULT_DRAFT
     adaptive: bool = True
+    draft: str | None = None
+    drafter: Drafter | None = field(default=None, compare=False, repr=False)
 
     @property
     def on(self) -> bool:
         return self.method != "off"
 
+    @property
+    def info(self) -> dict[str, Any]:
+        """For ``Model.info["speculative"]``: the method, the draft model and its planned
+        memory in bytes (weights, engine, KV cache, compute; 0 without one)."""
+        drafter = self.drafter
+        return {
+            "method": self.method,
+            "max_draft": self.max_draft,
+            "adaptive": self.adaptive,
+            "draft": self.draft,
+            "draft_memory": drafter.memory if drafter is not None else 0,
+        }
+
+    def close(self) -> None:
+        """Free the draft model, if load() opened one; calling it again does nothing."""
+        if self.drafter is not None:
+            self.drafter.close()
+
 
 OFF = SpeculativeConfig()
 _HELP = (
     "expected 'off', 'auto' (prompt lookup, drafting only while it pays), 'lookup' or "
-    f"'lookup:N' (prompt lookup, up to N drafted tokens per pass, 1 <= N <= {MAX_DRAFT})"
+    f"'lookup:N' (prompt lookup, up to N drafted tokens per pass, 1 <= N <= {MAX_DRAFT}), "
+    "'draft:NAME' (a draft model: a catalog name or a path, drafting while it pays) or "
+    "'draft:NAME:N' (N tokens of the draft model per pass)"
 )
+_MAX_NAME = 4096  # characters of a draft model's name or path
 
 
 def parse_speculative(value: object) -> SpeculativeConfig:
@@ -82,6 +130,8 @@ def parse_speculative(value: object) -> SpeculativeConfig:
         return value
     if value is None or value is False or value == "off":
         return OFF
+    if isinstance(value, str) and value.startswith("draft:"):
+        return _parse_draft(value)
     if not isinstance(value, str) or len(value) > 32:
         raise InvalidRequestError(f"speculative={value!r:.60} is invalid: {_HELP}")
     if value == "auto":
@@ -90,9 +140,68 @@ def parse_speculative(value: object) -> SpeculativeConfig:
     if name == "lookup":
         if not count:
             return SpeculativeConfig("lookup", _DEFAULT_DRAFT, adaptive=False)
-        if count.isascii() and count.isdigit() and 1 <= int(count) <= MAX_DRAFT:
+        if _count(count) is not None:
             return SpeculativeConfig("lookup", int(count), adaptive=False)
     raise InvalidRequestError(f"speculative={value!r} is invalid: {_HELP}")
+
+
+def _count(text: str) -> int | None:
+    """``text`` as a draft length (ASCII digits, 1 to MAX_DRAFT); None otherwise."""
+    if text.isascii() and text.isdigit() and 1 <= int(text) <= MAX_DRAFT:
+        return int(text)
+    return None
+
+
+def _parse_draft(value: str) -> SpeculativeConfig:
+    """``draft:NAME`` (adaptive, up to 8 tokens a pass) or ``draft:NAME:N`` (N a pass)."""
+    rest = value[len("draft:") :]
+    name, colon, tail = rest.rpartition(":")
+    count = None
+    if colon and tail.isascii() and tail.isdigit():  # a trailing ":N" is a count, never a name
+        count = _count(tail)
+        if count is None:
+            raise InvalidRequestError(f"speculative={value!r:.80} is invalid: {_HELP}")
+    else:
+        name = rest
+    if not name or len(name) > _MAX_NAME or not _nameable(name):
+        raise InvalidRequestError(
+            f"speculative={value!r:.80} names no draft model: expected 'draft:' and a catalog "
+            "name or a path (printable text), optionally ':N' (tokens a pass)"
+        )
+    if count is None:
+        return SpeculativeConfig("draft", _DEFAULT_DRAFT, adaptive=True, draft=name)
+    return SpeculativeConfig("draft", count, adaptive=False, draft=name)
+
+
+def _nameable(name: str) -> bool:
+    """A name a path can be made of: no control characters, encodable for the file system."""
+    if any(ord(c) < 0x20 or c == "\x7f" for c in name):
+        return False
+    try:
+        os.fsencode(name)
+    except (UnicodeError, ValueError):
+        return False
+    return True
+
+
+def check_setting(asked: SpeculativeConfig | None, default: SpeculativeConfig) -> None:
+    """Refuse a request's ``speculative="draft:..."`` its model cannot run: a draft model is
+    opened at load, so a request may name only the one its model was loaded with."""
+    if asked is None or asked.method != "draft":
+        return
+    drafter = default.drafter
+    if drafter is None:
+        raise InvalidRequestError(
+            f"speculative={'draft:' + str(asked.draft)!r:.80}: this model was loaded without "
+            "a draft model, and a draft model is opened at load: load the model with "
+            "speculative='draft:NAME', or ask for 'off', 'auto' or 'lookup'"
+        )
+    if asked.draft != default.draft and not drafter.matches(str(asked.draft)):
+        raise InvalidRequestError(
+            f"speculative={'draft:' + str(asked.draft)!r:.80}: this model was loaded with the "
+            f"draft model {default.draft!r}, and a draft model is opened at load: name that "
+            "one (or leave the field out), or ask for 'off', 'auto' or 'lookup'"
+        )
 
 
 class PromptLookup:
@@ -158,13 +267,40 @@ class PassCosts:
         return max(measured / self.step_s, 1.0)
 
 
+@dataclass
+class DraftCosts:
+    """Measured seconds of a draft model's steps (one drafted token each, a moving average),
+    shared by every request of its target. ``prior_share``: a draft step in target steps
+    before any is measured (the draft's weights over the target's: decode reads each once)."""
+
+    prior_share: float = 0.3
+    step_s: float = 0.0
+    _weight: float = 0.2
+
+    def record(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        per_token, w = seconds / tokens, self._weight
+        self.step_s = per_token if self.step_s == 0 else (1 - w) * self.step_s + w * per_token
+
+    def ratio(self, k: int, target_step_s: float) -> float:
+        """Drafting k tokens, in the target's one-token steps."""
+        if self.step_s == 0 or target_step_s == 0:
+            return k * self.prior_share
+        return k * self.step_s / target_step_s
+
+
 class DraftBudget:
     """How many tokens to draft next, from the share of drafts kept so far (a moving
-    average, optimistic at first) and the model's pass costs."""
+    average, optimistic at first), the model's pass costs and, with a draft model, the
+    draft's own steps (``drafting``)."""
 
-    def __init__(self, config: SpeculativeConfig, costs: PassCosts) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, costs: PassCosts, drafting: DraftCosts | None = None
+    ) -> None:
         self.config = config
         self.costs = costs
+        self.drafting = drafting
         self.kept_share = 0.6
         self.drafted = 0
         self.accepted = 0
@@ -175,12 +311,14 @@ class DraftBudget:
         top = self.config.max_draft
         if not self.config.adaptive:
             return top
+        if self.drafting is not None and self.costs.step_s == 0:
+            return 0  # a plain step first: the draft's cost is weighed against a measured one
         best, best_gain = 0, 1.0
         a = self.kept_share
         for k in range(1, top + 1):
             # tokens a pass yields: the pending token's row, then each kept draft's
             expected = sum(a**i for i in range(k + 1))
-            gain = expected / self.costs.ratio(k)
+            gain = expected / (self.costs.ratio(k) + self._drafting_cost(k))
             if gain > best_gain:
                 best, best_gain = k, gain
         if best == 0:
@@ -190,6 +328,10 @@ class DraftBudget:
                 return 1
         return best
 
+    def _drafting_cost(self, k: int) -> float:
+        """Drafting k tokens, in one-token steps of the model (0 for prompt lookup)."""
+        return 0.0 if self.drafting is None else self.drafting.ratio(k, self.costs.step_s)
+
     def record(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
@@ -198,42 +340,67 @@ class DraftBudget:
 
 
 class Speculation:
-    """One request's drafter and draft budget, over its model's pass costs."""
+    """One request's drafter (prompt lookup, or its model's draft model) and draft budget,
+    over its model's pass costs."""
 
-    def __init__(self, config: SpeculativeConfig, costs: PassCosts) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, costs: PassCosts, drafter: Drafter | None = None
+    ) -> None:
         self.costs = costs
-        self.budget = DraftBudget(config, costs)
+        self.drafter = drafter
+        self.budget = DraftBudget(config, costs, drafter.costs if drafter is not None else None)
         self._lookup = PromptLookup(config.max_draft)
 
-    def propose(self, context: Sequence[int], room: int, constraint: Any = None) -> list[int]:
+    def propose(
+        self,
+        context: Sequence[int],
+        room: int,
+        constraint: Any = None,
+        cached: Sequence[int] | None = None,
+    ) -> list[int]:
         """Tokens to check after ``context``'s last one, at most ``room``; [] for a plain step.
         Under a grammar (``constraint``) the tokens it forces come first: the sampler picks
         them unless the model prefers another spelling of the same bytes, so they are drafted
-        whatever the budget says (grammar fast-forward)."""
+        whatever the budget says (grammar fast-forward). ``cached``: the tokens in the
+        model's cache before that last one (``context`` less it, unless the context slid):
+        what a draft model keeps its own cache in step with."""
         if constraint is not None:
             forced = constraint.forced(min(room, MAX_DRAFT))
             if forced:
                 return forced
         k = min(self.budget.k(), room)
-        return self._lookup.propose(context, k) if k > 0 else []
+        if k <= 0:
+            return []
+        if self.drafter is not None:
+            window = context[:-1] if cached is None else cached
+            return self.drafter.propose(window, context[-1], k)
+        return self._lookup.propose(context, k)
 
 
 def for_request(
     asked: SpeculativeConfig | None, default: SpeculativeConfig, backend: Any, costs: PassCosts
 ) -> Speculation | None:
     """A request's speculative decoding: its own setting, else its model's; None when off or
-    when the backend cannot return the logits of several positions in one pass."""
+    when the backend cannot return the logits of several positions in one pass. A request's
+    "draft:NAME" runs its model's draft model (``check_setting`` refuses another)."""
+    check_setting(asked, default)
     setting = default if asked is None else asked
     if not setting.on or not getattr(backend, "multi_position_logits", False):
         return None
-    return Speculation(setting, costs)
+    return Speculation(setting, costs, default.drafter if setting.method == "draft" else None)
 
 
 def draft(
-    speculation: Speculation | None, context: Sequence[int], room: int, constraint: Any
+    speculation: Speculation | None,
+    context: Sequence[int],
+    room: int,
+    constraint: Any,
+    cached: Sequence[int] | None = None,
 ) -> list[int]:
     """The tokens to check after ``context`` (see ``Speculation.propose``); [] without one."""
-    return [] if speculation is None else speculation.propose(context, room, constraint)
+    if speculation is None:
+        return []
+    return speculation.propose(context, room, constraint, cached)
 
 
 def feed(
