@@ -273,3 +273,21 @@ def test_the_devices_cli_refuses_a_hostile_record_in_one_line(name: str, tmp_pat
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("edgeinfer: error: --inventory "), lines
     assert "not a recorded machine" in lines[0] and done.stdout == ""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="loader.route_for asks llama.cpp's device only for parallel > 1; it must call "
+    "routes.route_on (the patch handed to the lead): drop this mark when it lands",
+)
+@pytest.mark.parametrize("name", ["x86-rtx4090", "apple-m2", "jetson-orin-nano"])
+def test_load_keeps_the_gguf_on_a_gpu_llama_cpp_drives(
+    name: str, default_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import edgeinfer.loader as loader
+
+    inv = machine(name)
+    monkeypatch.setattr(loader, "devices", lambda engines=(): inv)
+    source = resolve(DEFAULT)
+    assert route_for(DEFAULT, source, "auto").format == "gguf"
+    assert route_for(DEFAULT, source, "auto") == route_on(inv, "gguf", transcodable=True)
