@@ -36,7 +36,7 @@ from .model import Model
 from .model_shape import ModelShape, shape_of
 from .model_source import ModelSource, resolve
 from .policy import normalise_device, plan_providers
-from .routes import Route, check_engine, choose_route
+from .routes import Route, check_engine, route_on
 from .rss import peak_rss
 from .runtimes import open_backend
 from .speculative import SpeculativeConfig, parse_speculative
@@ -396,22 +396,14 @@ def route_for(
     parallel: int = 1,
     engine: str = "auto",
 ) -> Route:
-    """The route ``load()`` takes for ``source`` (``routes.choose_route`` on this machine)."""
-    wish = normalise_device(device)
-    installed = [m for m in ("llama_cpp", "onnxruntime", "onnx") if _installed(m)]
+    """The route ``load()`` takes for ``source``: ``routes.route_on`` over this machine's
+    inventory (llama.cpp is asked for its devices only where there is a GPU)."""
+    normalise_device(device)  # an unknown device is refused before the machine is read
     transcodable = _catalog_gguf(model, source)
-    llama_device = "cpu"
-    if transcodable and parallel > 1 and wish == "auto" and devices(engines=()).gpus:
-        llama_device = _llama_device(wish)  # asks llama.cpp only where there is a GPU
-    return choose_route(
-        source.format,
-        transcodable=transcodable,
-        parallel=parallel,
-        device=wish,
-        installed=installed,
-        engine=engine,
-        llama_device=llama_device,
-    )
+    gpu = transcodable and bool(devices(engines=()).gpus)
+    inventory = devices(engines=("llama_cpp",) if gpu else ())
+    return route_on(inventory, source.format, transcodable=transcodable, parallel=parallel,
+                    device=device, engine=engine)  # fmt: skip
 
 
 def runs_as_onnx(
@@ -425,21 +417,6 @@ def runs_as_onnx(
     """Whether ``load()`` runs this GGUF through its ONNX transcode (see ``routes.py``)."""
     route = route_for(model, source, device, parallel=parallel, engine=engine)
     return route.format == "onnx" and source.format == "gguf"
-
-
-def _installed(module: str) -> bool:
-    if module == "llama_cpp":
-        return llama_cpp_installed()
-    return importlib.util.find_spec(module) is not None
-
-
-def _llama_device(wish: str) -> str:
-    """Where llama.cpp would run a GGUF under ``wish``: its first provider's device."""
-    try:
-        plan = plan_providers(devices(engines=("llama_cpp",)), "gguf", wish)
-    except EdgeInferError:
-        return "cpu"
-    return plan.candidates[0].device if plan.candidates else "cpu"
 
 
 def _catalog_gguf(model: str | PathLike[str], source: ModelSource) -> bool:

@@ -275,11 +275,6 @@ def test_the_devices_cli_refuses_a_hostile_record_in_one_line(name: str, tmp_pat
     assert "not a recorded machine" in lines[0] and done.stdout == ""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="loader.route_for asks llama.cpp's device only for parallel > 1; it must call "
-    "routes.route_on (the patch handed to the lead): drop this mark when it lands",
-)
 @pytest.mark.parametrize("name", ["x86-rtx4090", "apple-m2", "jetson-orin-nano"])
 def test_load_keeps_the_gguf_on_a_gpu_llama_cpp_drives(
     name: str, default_gguf: Path, monkeypatch: pytest.MonkeyPatch
