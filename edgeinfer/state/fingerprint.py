@@ -9,7 +9,7 @@ place, even to the same size with its mtime put back (``os.utime``), gets a new 
 hashed again.
 
 Thread counts are not part of it: both engines split a matrix product's output rows between
-threads, never one sum, so the KV is the same bits at any count (``tests/test_state_machine.py``
+threads, never one sum, so the KV is the same bits at any count (``tests/test_state_fingerprint.py``
 checks this on both engines).
 """
 
