@@ -205,7 +205,8 @@ def _json_tokens(data: Any) -> dict[int, tuple[str, bool]]:
         ids = {
             i: (str(p[0] if isinstance(p, list) and p else p), False) for i, p in enumerate(vocab)
         }
-    for added in data.get("added_tokens") or () if isinstance(data, dict) else ():
+    added_tokens = data.get("added_tokens") if isinstance(data, dict) else None
+    for added in added_tokens if isinstance(added_tokens, list) else ():
         if isinstance(added, dict) and isinstance(added.get("id"), int):
             ids[added["id"]] = (str(added.get("content")), bool(added.get("special")))
     return ids
