@@ -80,9 +80,8 @@ class Model:
         self._disk = attach_cache(prompt_cache, backend, path, memory_plan)
         self._spec, self._costs = speculative or OFF, PassCosts()  # see speculative.py
         # parallel > 1: one engine thread steps every caller's sequence together
-        self._engine = None
-        if getattr(backend, "n_slots", 1) > 1:
-            self._engine = Engine(backend, disk=self._disk, owner=self)
+        slots = getattr(backend, "n_slots", 1)
+        self._engine = Engine(backend, disk=self._disk, owner=self) if slots > 1 else None
 
     # -- requests -------------------------------------------------------------------------
 
@@ -267,6 +266,7 @@ class Model:
             else:
                 ids, keep = self._prompt_ids(payload), self._bos_len()
             generation.check_request(self._backend, ids, cfg)
+            check_setting(cfg.speculative, self._spec)
         except InvalidRequestError as exc:
             message = str(exc)
             if not message.startswith(f"requests[{index}]"):

@@ -119,6 +119,10 @@ def test_a_request_names_its_models_draft_or_another_setting() -> None:
         assert result.token_ids == plain.token_ids, setting
     with pytest.raises(InvalidRequestError, match="loaded with the draft model 'fake'"):
         model.stream(PROMPTS[0], speculative="draft:other")  # refused before iterating
+    passes = model._backend.passes
+    with pytest.raises(InvalidRequestError, match=r"^requests\[1\]: speculative="):
+        model.generate_many([PROMPTS[0], {"prompt": PROMPTS[1], "speculative": "draft:other"}])
+    assert model._backend.passes == passes  # refused before any request ran
     bare = Model(CopyingBackend(), name="b", path=Path("b"), model_format="fake")
     with pytest.raises(InvalidRequestError, match="loaded without a draft model"):
         bare.generate(PROMPTS[0], speculative="draft:fake")
