@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -131,10 +131,6 @@ class DraftModel:
                 self.backend.rewind(0)
             except Exception:  # the engine failed already: its cache is rewound on next use
                 logger.debug("the draft model's cache could not be rewound", exc_info=True)
-
-    @property
-    def info(self) -> dict[str, Any]:
-        return {"draft": self.name, "draft_memory": self.memory, **self.backend.info}
 
     def close(self) -> None:
         """Free the draft's engine and KV cache; calling it again does nothing."""
