@@ -79,7 +79,8 @@ class SamplingConfig:
     # structured output (see edgeinfer.structured): JSON, a JSON schema, a regex, a choice or
     # a Lark grammar; None is plain text
     response_format: dict[str, Any] | None = field(default=None, hash=False)
-    # speculative decoding for this request ("off", "auto", "lookup", "lookup:N"; see
+    # speculative decoding for this request ("off", "auto", "lookup", "lookup:N", or the
+    # "draft:NAME" the model was loaded with; see
     # edgeinfer.speculative); None: the model's setting from load(speculative=...). It
     # changes how fast tokens come, never which tokens the sampler picks.
     speculative: SpeculativeConfig | str | None = None

@@ -103,7 +103,8 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
         "--speculative",
         metavar="MODE",
         help="speculative decoding: off, auto (prompt lookup while it pays), lookup or "
-        "lookup:N (draft up to N tokens from the prompt and the reply so far); the tokens are "
+        "lookup:N (draft up to N tokens from the prompt and the reply so far), or "
+        "draft:MODEL[:N] (a smaller model of the same vocabulary drafts); the tokens are "
         "the same, only faster (default: off)",
     )
     _add_structured_flags(p)
