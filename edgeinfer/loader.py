@@ -180,13 +180,30 @@ def _routed(
     route = route_for(model, named, config.device, parallel=wanted, engine=engine)
     source = _source_for(named, route, config.kv_dtype)
     shape = shape_of(draft) if draft is not None else None
-    fitted = _fitted(source, config, budget, parallel, shape)
+    try:
+        fitted = _fitted(source, config, budget, parallel, shape)
+    except MemoryBudgetError as exc:
+        if source is named or engine != "auto":  # no other route, or this one was asked for
+            raise
+        fitted = _fitted(named, config, budget, parallel, shape)  # raises if it fails too
+        return named, _budget_route(named, exc), fitted
     if fitted.parallel == 1 and wanted > 1:
         single = route_for(model, named, config.device, parallel=1, engine=engine)
         if single.format != route.format:
             route, source = single, named
             fitted = _fitted(source, config, budget, 1)
     return source, route, fitted
+
+
+def _budget_route(named: ModelSource, refused: MemoryBudgetError) -> Route:
+    """The GGUF kept on llama.cpp because its transcode's plan did not fit the budget."""
+    first = str(refused).split(";")[0]
+    why = (
+        f"the ONNX transcode's memory plan does not fit the budget ({first}); llama.cpp's plan "
+        "for the GGUF itself does, so it runs on llama.cpp"
+    )
+    logger.info("%s route: %s", named.name, why)
+    return Route(named.format, named.format, why)
 
 
 def _draft_source(
