@@ -1,5 +1,12 @@
 """apps/desktop_chat.py for real, in a virtual X display (Xvfb): load, type a question, press
-Send, see text stream in, press Stop, take a screenshot; a missing model shows in the window."""
+Send, see text stream in, press Stop, take a screenshot; a missing model shows in the window.
+The picker offers chat models only: an embedding model typed or opened is refused in the
+window with Send kept grey (a catalog name before anything is fetched; a folder opened by its
+path once it has loaded, and the model is freed).
+
+Every window test is in this one module, under one Xvfb: Tk keeps its connection to a display
+after its windows are gone, and an X server that dies under it makes Xlib end the process
+(its I/O error handler exits), so a second display per module would end the test run."""
 
 from __future__ import annotations
 
@@ -14,6 +21,10 @@ from typing import Any
 
 import pytest
 
+import edgeinfer
+from edgeinfer import catalog
+
+from .bertgen import make_bert_folder
 from .leakcheck import end_process
 
 APPS = Path(__file__).resolve().parents[1] / "apps"
@@ -169,4 +180,60 @@ def test_a_budget_too_small_is_shown_in_the_window(display: str, default_gguf: P
     assert "budget" in app.transcript().lower()  # type: ignore[attr-defined]
     assert _shown_whole(root, app.status_label)  # type: ignore[attr-defined]
     assert str(app.send_button["state"]) == "disabled"  # type: ignore[attr-defined]
+    app.close()  # type: ignore[attr-defined]
+
+
+def test_the_picker_offers_the_chat_models_only(display: str, tmp_path: Path) -> None:
+    root, app = _window(str(tmp_path / "missing.gguf"))
+    _pump(root, lambda: "cannot load" in app.status.get(), timeout=30)  # type: ignore[attr-defined]
+    offered = list(app.picker.cget("values"))  # type: ignore[attr-defined]
+    assert catalog.DEFAULT_MODEL in offered
+    assert offered == [n for n, e in catalog.CATALOG.items() if e.kind == "generation"]
+    embedding = [n for n, e in catalog.CATALOG.items() if e.kind == "embedding"]
+    assert embedding and not set(embedding) & set(offered)
+    app.close()  # type: ignore[attr-defined]
+
+
+def test_an_embedding_model_typed_by_name_is_refused_before_any_fetch(
+    display: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked: list[Any] = []
+    monkeypatch.setattr(edgeinfer, "load", lambda name, **kw: asked.append(name))
+    monkeypatch.setattr(catalog, "fetch", lambda *a, **kw: asked.append(a))
+    name = next(n for n, e in catalog.CATALOG.items() if e.kind == "embedding")
+    root, app = _window(name)
+    _pump(root, lambda: "cannot load" in app.status.get(), timeout=30)  # type: ignore[attr-defined]
+    status = app.status.get()  # type: ignore[attr-defined]
+    assert f"{name} is an embedding model" in status and "pick a chat model" in status
+    assert "embedding model" in app.transcript()  # type: ignore[attr-defined]
+    assert str(app.send_button["state"]) == "disabled"  # type: ignore[attr-defined]
+    assert app.model is None and asked == []  # type: ignore[attr-defined]
+    app.close()  # type: ignore[attr-defined]
+
+
+def test_an_embedding_folder_opened_by_path_is_refused_and_freed(
+    display: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("EDGEINFER_HOME", str(tmp_path / "home"))
+    folder = make_bert_folder(tmp_path / "bert", seed=3)
+    loaded: list[Any] = []
+    real_load = edgeinfer.load
+
+    def load(name: str, **options: Any) -> Any:
+        loaded.append(real_load(name, **options))
+        return loaded[-1]
+
+    monkeypatch.setattr(edgeinfer, "load", load)
+    root, app = _window(str(folder), threads=1)
+    _pump(root, lambda: "cannot load" in app.status.get(), timeout=300)  # type: ignore[attr-defined]
+    assert "is an embedding model" in app.status.get()  # type: ignore[attr-defined]
+    assert str(app.send_button["state"]) == "disabled"  # type: ignore[attr-defined]
+    app.entry.insert(0, "hello")  # type: ignore[attr-defined]
+    app.send()  # type: ignore[attr-defined]  # Send pressed anyway: nothing happens
+    assert "You: hello" not in app.transcript()  # type: ignore[attr-defined]
+    (model,) = loaded
+    assert app.model is None and "closed" in repr(model)  # type: ignore[attr-defined]
     app.close()  # type: ignore[attr-defined]
