@@ -69,43 +69,117 @@ class CallFormat:
             return "".join(secrets.choice(alphabet) for _ in range(9))
         return f"call_{secrets.token_hex(12)}"
 
-    def grammar(self, tools: Sequence[Tool], choice: ToolChoice, parallel: bool) -> str:
+    def grammar(
+        self,
+        tools: Sequence[Tool],
+        choice: ToolChoice,
+        parallel: bool,
+        tokens: Mapping[str, int] | None = None,
+    ) -> str:
         """A Lark grammar (llguidance's dialect) whose every sentence is a reply of one call
         (or up to MAX_PARALLEL_CALLS with ``parallel``) to the chosen functions, each with
-        arguments valid under the function's schema."""
+        arguments valid under the function's schema. ``tokens``: marker text -> the id of
+        the one token the tokenizer holds it as (markers.find_markers); such a marker may be
+        written as that token or as its text."""
         chosen = [t for t in tools if choice.name in (None, t.name)]
-        rules = [f"call: {' | '.join(f'call_{i}' for i in range(len(chosen)))}"]
+        rules = [self._start(MAX_PARALLEL_CALLS - 1 if parallel else 0, tokens or {})]
+        rules += self._call_rules(chosen, tokens or {})
+        return _bounded("\n".join(rules), len(chosen))
+
+    def auto_grammar(
+        self, tools: Sequence[Tool], parallel: bool, tokens: Mapping[str, int] | None = None
+    ) -> str:
+        """The grammar of ``tool_choice="auto"`` constrained: any text that never spells the
+        call opener, or calls, or such text followed by calls. The model chooses freely
+        between answering and calling; once it opens a call, the call is held to a function
+        and its schema. Tagged formats (hermes, generic) only.
+
+        llguidance's lexer is greedy: a text lexeme followed by the opener's literal would
+        swallow its first characters. So text and the opener that ends it are one lexeme
+        (``OPENED``); the opener as a token (``<[id]>``) ends the text lexeme by itself."""
+        assert self.name in ("hermes", "generic")
+        tokens = tokens or {}
+        more = MAX_PARALLEL_CALLS - 1 if parallel else 0
+        opener = _regex_escape(_OPEN_TAG)
+        start = "start: TEXT | calls | OPENED body more"
+        if _OPEN_TAG in tokens:
+            start += f" | TEXT <[{tokens[_OPEN_TAG]}]> body more"
+        rules = [
+            start,
+            "calls: call more",
+            f'more: ("\\n" call){{0,{more}}}' if more else 'more: ""',
+            f"OPENED: /(?s:.+){opener}/ & ~/(?s:.*{opener}.+)/",
+            f"TEXT: /(?s:.+)/ & ~/(?s:.*{opener}.*)/",
+        ]
+        rules += self._call_rules(list(tools), tokens)
+        return _bounded("\n".join(rules), len(tools))
+
+    def _call_rules(self, chosen: Sequence[Tool], tokens: Mapping[str, int]) -> list[str]:
+        """``call``: one call to one of ``chosen``; ``body``: the same after its opener."""
+        calls = " | ".join(f"call_{i}" for i in range(len(chosen)))
+        bodies = " | ".join(f"body_{i}" for i in range(len(chosen)))
+        rules = [f"call: {calls}", f"body: {bodies}"]
         for i, tool in enumerate(chosen):
             head = json.dumps({"name": tool.name, self.arguments_key: 0})[:-2]  # '{..., "k": '
-            frame = self._frame(_literal(head), f"args_{i}")
-            rules.append(f"call_{i}: {frame}")
+            opened, body = self._frame(_literal(head), f"args_{i}", tokens)
+            rules.append(f"call_{i}: {opened} body_{i}".replace(":  ", ": "))
+            rules.append(f"body_{i}: {body}")
             rules += arguments_rules(tool.parameters, f"args_{i}")
-        more = MAX_PARALLEL_CALLS - 1 if parallel else 0
-        rules.insert(0, self._start(more))
-        grammar = "\n".join(rules)
-        if len(grammar.encode()) > MAX_GRAMMAR_BYTES:
-            raise InvalidRequestError(
-                f"tool_choice: the grammar that forces a call to {len(chosen)} function(s) is "
-                f"{len(grammar.encode()):,} bytes, over the limit of {MAX_GRAMMAR_BYTES:,}; "
-                "name one function in tool_choice, or offer fewer or smaller tools"
-            )
-        return grammar
+        return rules
 
-    def _frame(self, head: str, args: str) -> str:
-        if self.name == "mistral":
-            return f'{head} {args} "}}"'
-        if self.name == "llama3":
-            return f'{head} {args} "}}"'
-        return f"{_literal(self.open)} {head} {args} {_literal('}' + self.close)}"
+    def _frame(self, head: str, args: str, tokens: Mapping[str, int]) -> tuple[str, str]:
+        """A call's opener (as a grammar item; "" where there is none) and the rest."""
+        if self.name in ("mistral", "llama3"):
+            return "", f'{head} {args} "}}"'
+        rest = _rest(self.open, _OPEN_TAG).strip()
+        closed = _rest(self.close, _CLOSE_TAG, before=True) + _marked(_CLOSE_TAG, tokens)
+        return _marked(_OPEN_TAG, tokens), f'{rest} {head} {args} "}}"{closed}'.strip()
 
-    def _start(self, more: int) -> str:
+    def _start(self, more: int, tokens: Mapping[str, int] | None = None) -> str:
         repeat = f"{{0,{more}}}" if more else ""
         if self.name == "mistral":
             tail = f' ("," " " call){repeat}' if more else ""
-            return f'start: {_literal(self.open)} "[" call{tail} "]"'
+            return f'start: {_marked(self.open, tokens or {})} "[" call{tail} "]"'
         separator = '"; "' if self.name == "llama3" else '"\\n"'
         tail = f" ({separator} call){repeat}" if more else ""
         return f"start: call{tail}"
+
+
+_OPEN_TAG, _CLOSE_TAG = "<tool_call>", "</tool_call>"
+
+
+def _marked(text: str, tokens: Mapping[str, int]) -> str:
+    """``text`` as a grammar item: its literal, or either its one token or its literal."""
+    if text in tokens:
+        return f"(<[{tokens[text]}]> | {_literal(text)})"
+    return _literal(text)
+
+
+def _rest(text: str, tag: str, before: bool = False) -> str:
+    """The literal of what ``text`` (a format's open or close text) holds beside ``tag``."""
+    rest = text.removesuffix(tag) if before else text.removeprefix(tag)
+    if not rest:
+        return ""
+    return f" {_literal(rest)} " if before else f" {_literal(rest)}"
+
+
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~/")
+
+
+def _regex_escape(text: str) -> str:
+    """``text`` as a regex matching itself (only metacharacters escaped: ``\\<`` would be a
+    word boundary)."""
+    return "".join(f"\\{c}" if c in _REGEX_META else c for c in text)
+
+
+def _bounded(grammar: str, functions: int) -> str:
+    if len(grammar.encode()) > MAX_GRAMMAR_BYTES:
+        raise InvalidRequestError(
+            f"tool_choice: the grammar that forces a call to {functions} function(s) is "
+            f"{len(grammar.encode()):,} bytes, over the limit of {MAX_GRAMMAR_BYTES:,}; "
+            "name one function in tool_choice, or offer fewer or smaller tools"
+        )
+    return grammar
 
 
 def _literal(text: str) -> str:

@@ -14,19 +14,37 @@ A call identical to one the reply already holds (same name, same arguments) ends
 a greedy model that has made its call tends to repeat it until the length limit. The repeat
 is dropped, generation is stopped there, and the reply finishes "tool_calls" with the calls
 before it. (The forcing grammar also bounds a reply's calls, formats.MAX_PARALLEL_CALLS.)
+
+A tool-result marker (markers.py: ``<tool_response``, ``</tool_response>``) outside a call
+ends the reply the same way, before the marker: nothing from it on is handed out.
+
+The reply's text is read through ``ReplyText`` (markers.py), which writes out call markers
+that the tokenizer holds as textless tokens.
+
+**One retry** (``retry``, a ``retry.RetryPlan``): a reply that failed in one of the ways
+retry.py lists is held back from the failure on, generation is stopped as soon as the
+failure is known, and the reply is asked again once; the second try's text and calls follow
+what the first handed out before it failed.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
-from ..generation import Chunk, GenerationResult, TokenStream
+from ..bounded_json import parse_json
+from ..errors import InvalidRequestError
+from ..generation import Chunk, GenerationResult, GenerationStats, TokenStream
+from . import preamble
 from .formats import CallFormat
+from .markers import ReplyText
 from .parse import ToolCallError, calls_of, opener, split_reply
+from .retry import CALL, TEXT, RetryPlan, call_key, object_end
 from .spec import Tool
 
 __all__ = ["ToolCallStream"]
@@ -40,23 +58,53 @@ _WHOLE_REPLY_MARKERS = {
 
 
 class ToolCallStream(TokenStream):
-    """The stream of ``inner`` (a chat's TokenStream) with calls found and checked."""
+    """The stream of ``inner`` (a chat's TokenStream) with calls found and checked.
 
-    def __init__(self, inner: TokenStream, tools: Sequence[Tool], fmt: CallFormat) -> None:
+    ``reply``: how to read the reply's text (default: the chunks' own text); ``cut``: texts
+    that end the reply; ``retry``: the one retry (retry.py); ``find_calls``: False under
+    tool_choice "none" (only ``cut`` applies)."""
+
+    def __init__(
+        self,
+        inner: TokenStream,
+        tools: Sequence[Tool],
+        fmt: CallFormat,
+        *,
+        reply: ReplyText | None = None,
+        cut: Sequence[str] = (),
+        retry: RetryPlan | None = None,
+        find_calls: bool = True,
+    ) -> None:
         super().__init__(iter(()), inner._cancel)
         self._inner = inner
         self._tools = tools
         self._fmt = fmt
+        self._reply = reply or ReplyText()
+        self._cut = tuple(cut)
+        self._openers = ("<tool_call>",) if find_calls else ()
+        self._plan = retry if find_calls else None
+        # a call written outside the format is looked for only where a retry may follow
+        self._names = frozenset(t.name for t in tools) if self._plan else frozenset()
+        self.retried: str | None = None  # what the second try was forced to (retry.py)
+        self.cut_at: str | None = None  # the result marker the reply ended before
+        self._spent: GenerationStats | None = None  # the stats of a first try, retried
+        self._reset()
+        self._calls: list[dict[str, Any]] = []
+        self._seen: set[tuple[str, str]] = set()  # (name, canonical arguments) of each call
+        self._pending: deque[Chunk] = deque()
+
+    def _reset(self) -> None:
+        """The state of one try's scan."""
         self._buffer = ""  # text not handed out yet
         self._space = ""  # whitespace held until text follows (dropped between calls)
         self._in_call = False
         self._mode: str | None = None  # whole-reply formats: "call" or "text" once known
-        self._calls: list[dict[str, Any]] = []
-        self._seen: set[tuple[str, str]] = set()  # (name, canonical arguments) of each call
-        self._repeated = False  # a repeated call ended the reply; generation was stopped
+        self._ended = False  # we stopped generation (a repeated call, a result marker)
         self._error: str | None = None
+        self._held: str | None = None  # text after a failed call, while a retry may come
+        self._outside: str | None = None  # the function of a call begun outside the format
+        self._want: tuple[str, str | None] | None = None  # the retry a failure asks for
         self._unsent: list[int] = []
-        self._pending: deque[Chunk] = deque()
 
     def __next__(self) -> Chunk:
         while not self._pending:
@@ -68,12 +116,16 @@ class ToolCallStream(TokenStream):
         self._ids.extend(chunk.token_ids)
         return chunk
 
+    def cancel(self) -> None:
+        self._inner.cancel()
+
     def close(self) -> None:
         self._inner.close()
 
     def _take(self, chunk: Chunk) -> None:
-        if not self._repeated:  # after a repeat, what the model still wrote is dropped
-            self._buffer += chunk.text
+        text = self._reply.take(chunk)
+        if not self._ended:  # after we stopped it, what the model still wrote is dropped
+            self._buffer += text
         self._unsent.extend(chunk.token_ids)
         final = chunk.finish_reason is not None
         text, calls = self._scan(final)
@@ -82,21 +134,47 @@ class ToolCallStream(TokenStream):
                 self._emit(Chunk(text, self._ids_out(), tool_calls=tuple(calls)))
             return
         assert chunk.finish_reason is not None and chunk.stats is not None
+        asked_to_stop = chunk.finish_reason == "cancelled" and not self._ended  # by the caller
+        if self._plan is not None and self._want is not None and not self._calls:
+            if not asked_to_stop:
+                self._ask_again(chunk.stats)
+                return
+        self._finish(text + (self._held or ""), calls, chunk)
+
+    def _finish(self, text: str, calls: list[dict[str, Any]], chunk: Chunk) -> None:
+        assert chunk.finish_reason is not None and chunk.stats is not None
         reason = chunk.finish_reason
-        if self._repeated and reason == "cancelled":  # we stopped it, at the end of a call
+        if self._ended and reason == "cancelled":  # we stopped it, at the end of a call
             reason = "stop"
         if self._calls and self._error is None and reason == "stop":
             reason = "tool_calls"
-        last = Chunk(text, self._ids_out(), reason, chunk.stats, tuple(calls))
-        self._emit(last)
+        stats = _spent(self._spent, chunk.stats)
+        self._emit(Chunk(text, self._ids_out(), reason, stats, tuple(calls)))
         self.result = GenerationResult(
             "".join(self._parts) + "".join(c.text for c in self._pending),
             (*self._ids, *(i for c in self._pending for i in c.token_ids)),
             reason,
-            chunk.stats,
+            stats,
             tool_calls=tuple(self._calls),
             tool_call_error=self._error,
         )
+
+    def _ask_again(self, stats: GenerationStats) -> None:
+        """The failed try is dropped and the reply asked again, once (retry.py)."""
+        assert self._plan is not None and self._want is not None
+        kind, name = self._want
+        logger.info("tool_choice auto: %s; asking again (%s %s)", self._error, kind, name or "")
+        self._inner, self._reply = self._plan.rerun(kind, name)
+        self._plan, self._names, self.retried, self._spent = None, frozenset(), kind, stats
+        if kind == TEXT:
+            self._openers = ()
+        self._reset()
+
+    def _fail(self, why: str, kind: str, name: str | None) -> None:
+        """A failure the retry answers: the reply is held from here on."""
+        self._error = self._error or why
+        if self._plan is not None and not self._calls and self._want is None:
+            self._held, self._want = "", (kind, name)
 
     def _emit(self, chunk: Chunk) -> None:
         self._pending.append(chunk)
@@ -108,7 +186,7 @@ class ToolCallStream(TokenStream):
 
     def _scan(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
         """Text that can be handed out now, and calls completed now."""
-        if opener(self._fmt) is not None:
+        if opener(self._fmt) is not None or not self._openers:
             return self._scan_tagged(final)
         return self._scan_whole(final)
 
@@ -133,48 +211,107 @@ class ToolCallStream(TokenStream):
             try:
                 calls += calls_of(piece.text, self._tools, self._fmt)
             except ToolCallError as exc:
-                self._error = str(exc)
-                return raw, []
+                self._fail(str(exc), CALL, named_function(raw, self._tools))
+                out: list[str] = []
+                self._put(out, raw)
+                return "".join(out), []
         calls = self._new(calls)
         self._calls += calls
         return "", calls
 
+    def _put(self, out: list[str], text: str) -> None:
+        """``text`` handed out, or held after a failed call."""
+        if self._held is not None:
+            self._held += text
+        else:
+            out.append(text)
+
     def _scan_tagged(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
-        start, close = "<tool_call>", "</tool_call>"
         text: list[str] = []
         calls: list[dict[str, Any]] = []
         while self._buffer:
-            if not self._in_call:
-                at = self._buffer.find(start)
-                if at < 0:
-                    keep = 0 if final else _partial_suffix(self._buffer, start)
-                    cut = len(self._buffer) - keep
-                    text.append(self._plain(self._buffer[:cut], final))
-                    self._buffer = self._buffer[cut:]
-                    break
-                text.append(self._plain(self._buffer[:at], True))
-                self._buffer, self._in_call = self._buffer[at:], True
-            end = self._buffer.find(close)
-            if end < 0 and not final:
+            if not self._in_call and not self._text_part(text, final):
                 break
-            stop = len(self._buffer) if end < 0 else end + len(close)
-            raw, self._buffer, self._in_call = self._buffer[:stop], self._buffer[stop:], False
-            try:
-                found = calls_of(raw, self._tools, self._fmt)
-            except ToolCallError as exc:
-                self._error = self._error or str(exc)
-                text.append(self._plain(raw, True))
-                continue
-            self._space = ""  # whitespace before a call is dropped
-            fresh = self._new(found)
-            self._calls += fresh
-            calls += fresh
-            if len(fresh) < len(found):
-                self._stop_repeating()
+            if not self._call_part(text, calls, final):
                 break
         if final and self._space and not self._calls:
-            text.append(self._space)
+            self._put(text, self._space)
+            self._space = ""
         return "".join(text), calls
+
+    def _text_part(self, text: list[str], final: bool) -> bool:
+        """Hand out the text before the next call; True when a call opens in the buffer."""
+        if self._outside is not None:
+            return self._outside_part(final)
+        markers = (*self._openers, *self._cut)
+        at, marker = _first(self._buffer, markers)
+        begin, state, name = preamble.find(self._buffer, self._names)
+        if begin >= 0 and (at < 0 or begin < at) and (state == preamble.YES or not final):
+            self._put(text, self._plain(self._buffer[:begin], True))
+            self._buffer = self._buffer[begin:]
+            if state == preamble.YES:
+                self._outside = name or ""
+                return self._outside_part(final)
+            return False
+        if at < 0:
+            keep = 0 if final else _held_back(self._buffer, markers)
+            cut = len(self._buffer) - keep
+            self._put(text, self._plain(self._buffer[:cut], final))
+            self._buffer = self._buffer[cut:]
+            return False
+        # text before a result marker ends the reply: its trailing whitespace is dropped
+        self._put(text, self._plain(self._buffer[:at], marker not in self._cut))
+        if marker in self._cut:
+            self.cut_at = marker
+            self._end_at_result_marker()
+            return False
+        self._buffer, self._in_call = self._buffer[at:], True
+        return True
+
+    def _outside_part(self, final: bool) -> bool:
+        """A call begun outside the format (preamble.py), read to the end of its object: a
+        repeat of a call just answered asks for text, any other for the call forced."""
+        assert self._outside is not None and self._plan is not None
+        start = preamble.object_start(self._buffer)
+        end = object_end(self._buffer, start)
+        if end < 0 and not final:
+            return False
+        name = self._outside
+        body = _body(self._buffer[start:end]) if end > 0 else None
+        if body is not None and call_key(name, body.get(self._fmt.arguments_key)) in (
+            self._plan.answered
+        ):
+            self._fail(f"the reply repeated the call to {name} just answered", TEXT, None)
+        else:
+            self._fail(f"a call to {name} was written outside <tool_call> tags", CALL, name)
+        self._held = (self._held or "") + self._buffer
+        self._outside = None
+        self._stop_generation("a call began outside the format")
+        return False
+
+    def _call_part(self, text: list[str], calls: list[dict[str, Any]], final: bool) -> bool:
+        """Read the call the buffer opens with, once it is closed (or the reply ended);
+        False when the scan is to stop here."""
+        close = "</tool_call>"
+        end = self._buffer.find(close)
+        if end < 0 and not final:
+            return False
+        stop = len(self._buffer) if end < 0 else end + len(close)
+        raw, self._buffer, self._in_call = self._buffer[:stop], self._buffer[stop:], False
+        try:
+            found = calls_of(raw, self._tools, self._fmt)
+        except ToolCallError as exc:
+            self._fail(str(exc), CALL, named_function(raw, self._tools))
+            self._put(text, self._plain(raw, True))
+            return True
+        self._space = ""  # whitespace before a call is dropped
+        fresh = self._new(found)
+        self._calls += fresh
+        calls += fresh
+        if len(fresh) < len(found):
+            self._stop_generation("a tool call repeated an earlier one")
+            return False
+        return True
 
     def _new(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``calls`` up to the first that repeats one already made (in this reply)."""
@@ -185,13 +322,20 @@ class ToolCallStream(TokenStream):
             key = (function["name"], arguments)
             if key in self._seen:
                 break
+            if self._plan is not None and not self._calls and key in self._plan.answered:
+                self._fail(f"the reply repeated the call to {key[0]} just answered", TEXT, None)
+                break
             self._seen.add(key)
             fresh.append(call)
         return fresh
 
-    def _stop_repeating(self) -> None:
-        logger.debug("a tool call repeated an earlier one: the reply ends before it")
-        self._repeated = True
+    def _end_at_result_marker(self) -> None:
+        self._stop_generation("the reply began a tool result")
+        self._space = ""  # whitespace before the marker ends with it
+
+    def _stop_generation(self, why: str) -> None:
+        logger.debug("%s: the reply ends there", why)
+        self._ended = True
         self._buffer, self._in_call = "", False
         self._inner.cancel()
 
@@ -207,6 +351,48 @@ class ToolCallStream(TokenStream):
             self._space = out[len(stripped) :]
             return stripped
         return out
+
+
+_NAME_FIELD = re.compile(r'"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"')
+
+
+def named_function(raw: str, tools: Sequence[Tool]) -> str | None:
+    """The offered function a failed call's text names first, if any."""
+    names = {t.name for t in tools}
+    return next((m for m in _NAME_FIELD.findall(raw[:4096]) if m in names), None)
+
+
+def _body(text: str) -> dict[str, Any] | None:
+    """The JSON object ``text`` holds, if it parses (bounded) as one."""
+    try:
+        value = parse_json(text, what="the call")
+    except InvalidRequestError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _spent(first: GenerationStats | None, last: GenerationStats) -> GenerationStats:
+    """The stats of a reply that took two tries: tokens and time of both, the first's
+    time to first token."""
+    if first is None:
+        return last
+    return replace(
+        last,
+        completion_tokens=first.completion_tokens + last.completion_tokens,
+        ttft_s=first.ttft_s,
+        total_s=first.total_s + last.total_s,
+    )
+
+
+def _first(text: str, markers: Sequence[str]) -> tuple[int, str]:
+    """Where the first of ``markers`` begins in ``text`` (-1 if none), and which."""
+    found = [(at, m) for m in markers if (at := text.find(m)) >= 0]
+    return min(found) if found else (-1, "")
+
+
+def _held_back(text: str, markers: Sequence[str]) -> int:
+    """Characters at the end of ``text`` that may begin one of ``markers``."""
+    return max((_partial_suffix(text, m) for m in markers), default=0)
 
 
 def _partial_suffix(text: str, marker: str) -> int:
