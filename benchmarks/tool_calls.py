@@ -13,7 +13,7 @@ markup and no call. Settings of ``tool_choice="auto"`` (edgeinfer.tools.run.tool
 - ``auto+retry``: one retry (edgeinfer/tools/retry.py): a failed call or a call written
   outside the template's format is asked again with the call forced, a repeat of the call
   just answered is asked again with tool_choice "none";
-- ``auto+grammar+retry``: both.
+- ``auto+grammar+retry``: both (``--settings`` to run it; not in the default run).
 
 Greedy (temperature 0), bounded replies; models through llama.cpp on their catalog GGUF.
 
@@ -42,7 +42,8 @@ SETTINGS = {
     "auto+grammar+retry": {"auto": "grammar", "retry": True},
 }
 MARKUP = ("<tool_call>", "</tool_call>", "<tool_response", "</tool_response>")
-FIRST_TOKENS, FINAL_TOKENS = 128, 64
+DEFAULT_SETTINGS = ("auto", "auto+grammar", "auto+retry")
+FIRST_TOKENS, FINAL_TOKENS = 96, 64
 
 
 def _reply(model: Any, messages: list[dict[str, Any]], tools: list[Any], setting: str, n: int):
@@ -156,7 +157,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--settings", default=",".join(SETTINGS))
+    p.add_argument("--settings", default=",".join(DEFAULT_SETTINGS))
     p.add_argument("-o", "--out", type=Path, default=Path("benchmarks/results/tool_calls.json"))
     args = p.parse_args()
     settings = args.settings.split(",")
@@ -164,10 +165,15 @@ def main() -> None:
     per_task: dict[str, Any] = {}
     for name in args.models.split(","):
         per_task[name] = run_model(name, args.threads, settings)
+        write(args.out, run, settings, per_task)  # each model's rows kept as it ends
+    print(json.dumps(json.loads(args.out.read_text())["summary"], indent=1))
+
+
+def write(out: Path, run: dict[str, Any], settings: list[str], per_task: dict[str, Any]) -> None:
     summary = {m: {s: summarize(rows) for s, rows in by.items()} for m, by in per_task.items()}
     kinds = {k: sum(1 for t in TASKS if t.kind == k) for k in ("single", "multi", "nested", "none")}
     result = {
-        "conditions": conditions.finish(run),
+        "conditions": conditions.finish(dict(run)),
         "settings": {s: SETTINGS[s] for s in settings},
         "tasks": {"total": len(TASKS), **kinds},
         "max_new_tokens": {"first": FIRST_TOKENS, "final": FINAL_TOKENS},
@@ -175,11 +181,10 @@ def main() -> None:
         "summary": summary,
         "per_task": per_task,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(args.out)
-    print(json.dumps(summary, indent=1))
+    tmp.replace(out)
 
 
 if __name__ == "__main__":
