@@ -57,9 +57,10 @@ def _start(model: Path, *extra: str, context: int | None = CONTEXT) -> Iterator[
     """``context=None`` for an embedding model, which refuses a context length."""
     port = _free_port()
     argv = [sys.executable, "-m", "edgeinfer.cli", "serve", str(model), "--port", str(port)]
-    argv += ["--threads", "1", *extra]
+    argv += ["--threads", "1"]
     if context is not None:
         argv += ["--context-length", str(context)]
+    argv += extra  # after the defaults: a --context-length of the caller's wins
     process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env={**os.environ})
     log: list[str] = []
     reader = threading.Thread(
