@@ -124,7 +124,13 @@ def app_client(local: edgeinfer.Model) -> Any:
     return TestClient(create_app(local, ServerConfig(name="m")), base_url="http://127.0.0.1")
 
 
-VALUES = st.none() | st.booleans() | st.integers(-3, 30) | st.floats() | st.text(max_size=5)
+VALUES = (
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 30)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=5)
+)  # JSON has no NaN or Infinity
 
 
 @given(logprobs=VALUES, top=VALUES, chat=st.booleans())
