@@ -2,11 +2,15 @@
 function, with arguments valid under the schema and right, not call when no tool fits, and
 answer in text after the tool's result?
 
-64 tasks, defined below (no network): one call, several calls, calls with nested arguments
-(objects and lists of objects), and tasks where no offered tool fits. Each task offers one
-of three toolboxes (4 functions each, JSON schemas). For a task that calls, each call gets a
-made-up result and the model answers again; that final answer must be text with no tool
-markup and no call. Settings of ``tool_choice="auto"`` (edgeinfer.tools.run.tool_chat):
+64 tasks, defined in tool_tasks.py (no network): one call, several calls, calls with nested
+arguments (objects and lists of objects), and tasks where no offered tool fits. Each task
+offers one of three toolboxes (4 functions each, JSON schemas). For a task that calls, each
+call gets a made-up result and the model answers again; that final answer must be text with
+no tool markup, no call and no call written as JSON. A task where no tool fits passes "no
+call" when the reply holds no call, and "answered in text" when it is also no call written
+as JSON (the Coder models write calls to made-up functions in a ```json fence).
+
+Settings of ``tool_choice="auto"`` (edgeinfer.tools.run.tool_chat):
 
 - ``auto``: plain, calls parsed and checked afterwards;
 - ``auto+grammar``: a call the model opens is held to a function and its schema;
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -55,18 +60,17 @@ def _reply(model: Any, messages: list[dict[str, Any]], tools: list[Any], setting
     return result, {"retried": stream.retried, "cut_at": stream.cut_at}
 
 
-def _outside_call(text: str, names: frozenset[str]) -> bool:
-    """The text holds a call written outside the format (a JSON object naming a tool)."""
-    from edgeinfer.tools import preamble
+_CALL_JSON = re.compile(r'"name"\s*:\s*"[^"]*"\s*,\s*"(?:arguments|parameters)"\s*:')
 
-    at, state, _ = preamble.find(text, names)
-    return at >= 0 and state == preamble.YES
+
+def _outside_call(text: str) -> bool:
+    """The text holds a call written as JSON outside the format (naming any function)."""
+    return bool(_CALL_JSON.search(text))
 
 
 def run_task(model: Any, task: Task, setting: str) -> dict[str, Any]:
     """One task under one setting: the first reply, and the final answer after results."""
     tools = BOXES[task.box]
-    names = frozenset(t["function"]["name"] for t in tools)
     messages: list[dict[str, Any]] = [{"role": "user", "content": task.user}]
     t0 = time.perf_counter()
     first, how = _reply(model, messages, tools, setting, FIRST_TOKENS)
@@ -78,7 +82,7 @@ def run_task(model: Any, task: Task, setting: str) -> dict[str, Any]:
         "calls": [{"name": n, "arguments": a} for n, a in calls],
         "text": first.text, "finish_reason": first.finish_reason,
         "tool_call_error": first.tool_call_error, "retried": how["retried"],
-        "outside_call": _outside_call(first.text, names),
+        "outside_call": _outside_call(first.text),
         "tokens": first.stats.completion_tokens,
     }  # fmt: skip
     row["right_function"], row["arguments_right"] = matches(task, calls)
@@ -94,7 +98,7 @@ def run_task(model: Any, task: Task, setting: str) -> dict[str, Any]:
             "text": final.text, "calls": len(final.tool_calls), "retried": fhow["retried"],
             "cut_at": fhow["cut_at"], "finish_reason": final.finish_reason,
             "markup_free": not any(m in final.text for m in MARKUP),
-            "outside_call": _outside_call(final.text, names),
+            "outside_call": _outside_call(final.text),
             "tokens": final.stats.completion_tokens,
         }  # fmt: skip
         f = row["final"]
@@ -115,6 +119,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     should = [r for r in rows if r["kind"] != "none"]
     attempted = [r for r in should if r["calls"] or r["tool_call_error"] or r["outside_call"]]
     finals = [r for r in should if "final" in r]
+    none = [r for r in rows if r["kind"] == "none"]
     return {
         "called_when_should": _rate(should, lambda r: bool(r["calls"])),
         "right_function": _rate(should, lambda r: r["right_function"]),
@@ -122,8 +127,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             attempted, lambda r: bool(r["calls"]) and not r["tool_call_error"]
         ),
         "arguments_right": _rate(should, lambda r: r["arguments_right"]),
-        "no_call_when_none_fits": _rate(
-            [r for r in rows if r["kind"] == "none"], lambda r: not r["calls"]
+        "no_call_when_none_fits": _rate(none, lambda r: not r["calls"]),
+        "answered_in_text_when_none_fits": _rate(
+            none, lambda r: not r["calls"] and not r["outside_call"] and r["text"].strip()
         ),
         "final_answer_clean": _rate(finals, lambda r: r["final"]["clean"]),
         "final_answer_markup_free": _rate(finals, lambda r: r["final"]["markup_free"]),

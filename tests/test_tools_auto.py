@@ -328,10 +328,17 @@ def test_a_repeat_of_the_answered_call_is_asked_again_for_text() -> None:
         result = stream.collect()
         assert rerun.asked == [(TEXT, None)] and stream.retried == TEXT
         assert result.text == "It is sunny in Oslo." and result.tool_calls == ()
-    other = Rerun(GOOD)
     lima = '{"name": "get_weather", "arguments": {"city": "Lima"}}'
+    restated = Rerun(["It is sunny in Oslo."])  # the same function, outside the format
+    over(["```json\n" + lima + "\n```"], retry=RetryPlan(restated, answered)).collect()
+    assert restated.asked == [(TEXT, None)]
+    other = Rerun(GOOD)  # a new call in the format is a call
     result = over([f"<tool_call>{lima}</tool_call>"], retry=RetryPlan(other, answered)).collect()
-    assert other.asked == [] and len(result.tool_calls) == 1  # a new call is a call
+    assert other.asked == [] and len(result.tool_calls) == 1
+    time = '{"name": "get_time", "arguments": {"zone": "CET"}}'
+    forced = Rerun(GOOD)  # another function outside the format: the call forced
+    over(["```json\n" + time + "\n```"], retry=RetryPlan(forced, answered)).collect()
+    assert forced.asked == [(CALL, "get_time")]
 
 
 class Counted(Model):
@@ -479,19 +486,6 @@ def test_the_preamble_reader_is_total_and_never_takes_back_its_answer(text: str,
         assert (later, later_name) == (preamble.YES, name) and name in NAMES
     at, found, _ = preamble.find(text, NAMES)
     assert (at == -1) == (found == preamble.NO) and -1 <= at < max(len(text), 1)
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(PIECES | st.text(max_size=4), max_size=14).map("".join))
-def test_the_object_reader_is_total(text: str) -> None:
-    from edgeinfer.tools.retry import object_end
-
-    start = text.find("{")
-    if start >= 0:
-        end = object_end(text, start)
-        assert end == -1 or start < end <= len(text)
-        if end > 0:
-            assert text[end - 1] in "}]"
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-__all__ = ["NO", "PARTIAL", "YES", "find", "match", "object_start"]
+__all__ = ["NO", "PARTIAL", "YES", "find", "match"]
 
 NO, PARTIAL, YES = "no", "partial", "yes"
 _SPACE = " \t\r\n"
@@ -79,14 +79,3 @@ def find(text: str, names: Collection[str]) -> tuple[int, str, str | None]:
         if state != NO:
             return at, state, name
     return -1, NO, None
-
-
-def object_start(text: str) -> int:
-    """Where the call's own object begins in a preamble's ``text``: the last brace of the
-    first run of braces (-1 if there is none)."""
-    at = text.find("{")
-    if at < 0:
-        return -1
-    while at + 1 < len(text) and text[at + 1] == "{":
-        at += 1
-    return at

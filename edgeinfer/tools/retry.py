@@ -7,9 +7,11 @@ A reply under auto is asked again once, from the same conversation, when it
   with the call **forced** (to the function the failed call named, if it names a tool);
 - wrote a call outside the format (preamble.py: a JSON object naming a tool, bare or in a
   Markdown fence): forced the same way, to that function;
-- only repeated the calls whose results end the conversation (same function, same
-  arguments; Qwen2.5-Coder does this instead of answering): asked again with tool_choice
-  **"none"**, so the reply is an answer in text.
+- only repeated the calls whose results end the conversation (a call in the format with
+  the same function and arguments), or began, outside the format, a call to a function
+  whose results end it (Qwen2.5-Coder restates its call, or the call with its result, as
+  JSON instead of answering): asked again with tool_choice **"none"**, so the reply is an
+  answer in text.
 
 What was handed out before the failed part stays; the failed part is never handed out. A
 second reply that fails is reported as usual: there is no third try.
@@ -25,7 +27,7 @@ from typing import Any
 from ..generation import TokenStream
 from .markers import ReplyText
 
-__all__ = ["RetryPlan", "answered_calls", "call_key", "object_end"]
+__all__ = ["RetryPlan", "answered_calls", "call_key"]
 
 CALL, TEXT = "call", "text"  # what the second try is forced to
 
@@ -38,6 +40,10 @@ class RetryPlan:
 
     rerun: Callable[[str, str | None], tuple[TokenStream, ReplyText]]
     answered: frozenset[tuple[str, str]] = frozenset()
+
+    @property
+    def answered_names(self) -> frozenset[str]:
+        return frozenset(name for name, _ in self.answered)
 
 
 def call_key(name: Any, arguments: Any) -> tuple[str, str]:
@@ -68,23 +74,3 @@ def answered_calls(messages: Sequence[Mapping[str, Any]]) -> frozenset[tuple[str
                 keys.add(call_key(function.get("name"), function.get("arguments")))
         break
     return frozenset(keys)
-
-
-def object_end(text: str, start: int) -> int:
-    """The index after the JSON object that opens at ``text[start]`` (``{``), -1 while it is
-    not closed (strings and escapes read as JSON reads them)."""
-    depth, quoted, escaped = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if quoted:
-            escaped, quoted = (not escaped and c == "\\"), quoted and (escaped or c != '"')
-            continue
-        if c == '"':
-            quoted = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return -1

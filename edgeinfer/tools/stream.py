@@ -37,14 +37,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..bounded_json import parse_json
-from ..errors import InvalidRequestError
 from ..generation import Chunk, GenerationResult, GenerationStats, TokenStream
 from . import preamble
 from .formats import CallFormat
 from .markers import ReplyText
 from .parse import ToolCallError, calls_of, opener, split_reply
-from .retry import CALL, TEXT, RetryPlan, call_key, object_end
+from .retry import CALL, TEXT, RetryPlan
 from .spec import Tool
 
 __all__ = ["ToolCallStream"]
@@ -102,7 +100,6 @@ class ToolCallStream(TokenStream):
         self._ended = False  # we stopped generation (a repeated call, a result marker)
         self._error: str | None = None
         self._held: str | None = None  # text after a failed call, while a retry may come
-        self._outside: str | None = None  # the function of a call begun outside the format
         self._want: tuple[str, str | None] | None = None  # the retry a failure asks for
         self._unsent: list[int] = []
 
@@ -241,8 +238,6 @@ class ToolCallStream(TokenStream):
 
     def _text_part(self, text: list[str], final: bool) -> bool:
         """Hand out the text before the next call; True when a call opens in the buffer."""
-        if self._outside is not None:
-            return self._outside_part(final)
         markers = (*self._openers, *self._cut)
         at, marker = _first(self._buffer, markers)
         begin, state, name = preamble.find(self._buffer, self._names)
@@ -250,8 +245,7 @@ class ToolCallStream(TokenStream):
             self._put(text, self._plain(self._buffer[:begin], True))
             self._buffer = self._buffer[begin:]
             if state == preamble.YES:
-                self._outside = name or ""
-                return self._outside_part(final)
+                self._outside_call(name or "")
             return False
         if at < 0:
             keep = 0 if final else _held_back(self._buffer, markers)
@@ -268,26 +262,18 @@ class ToolCallStream(TokenStream):
         self._buffer, self._in_call = self._buffer[at:], True
         return True
 
-    def _outside_part(self, final: bool) -> bool:
-        """A call begun outside the format (preamble.py), read to the end of its object: a
-        repeat of a call just answered asks for text, any other for the call forced."""
-        assert self._outside is not None and self._plan is not None
-        start = preamble.object_start(self._buffer)
-        end = object_end(self._buffer, start)
-        if end < 0 and not final:
-            return False
-        name = self._outside
-        body = _body(self._buffer[start:end]) if end > 0 else None
-        if body is not None and call_key(name, body.get(self._fmt.arguments_key)) in (
-            self._plan.answered
-        ):
-            self._fail(f"the reply repeated the call to {name} just answered", TEXT, None)
+    def _outside_call(self, name: str) -> None:
+        """A call begun outside the format (preamble.py). Right after the results of a call
+        to the same function it restates that call (the Coder models write the call, or the
+        call with its result, as JSON instead of answering): asked again for text; any
+        other is asked again with the call forced. The reply ends here either way."""
+        assert self._plan is not None
+        if name in self._plan.answered_names:
+            self._fail(f"the reply restated the call to {name} just answered", TEXT, None)
         else:
             self._fail(f"a call to {name} was written outside <tool_call> tags", CALL, name)
         self._held = (self._held or "") + self._buffer
-        self._outside = None
         self._stop_generation("a call began outside the format")
-        return False
 
     def _call_part(self, text: list[str], calls: list[dict[str, Any]], final: bool) -> bool:
         """Read the call the buffer opens with, once it is closed (or the reply ended);
@@ -360,15 +346,6 @@ def named_function(raw: str, tools: Sequence[Tool]) -> str | None:
     """The offered function a failed call's text names first, if any."""
     names = {t.name for t in tools}
     return next((m for m in _NAME_FIELD.findall(raw[:4096]) if m in names), None)
-
-
-def _body(text: str) -> dict[str, Any] | None:
-    """The JSON object ``text`` holds, if it parses (bounded) as one."""
-    try:
-        value = parse_json(text, what="the call")
-    except InvalidRequestError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def _spent(first: GenerationStats | None, last: GenerationStats) -> GenerationStats:
