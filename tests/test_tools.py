@@ -544,6 +544,7 @@ def test_default_model_required_calls_all_validate(default_model: Model, _: int)
         for call in answer.tool_calls:
             assert_valid(call)
         assert answer.text or answer.tool_calls or answer.tool_call_error
+        assert "<tool_response" not in answer.text
 
 
 def test_run_prints_the_call_as_json(tiny_llama_gguf: Path, tmp_path: Path) -> None:

@@ -83,7 +83,15 @@ def test_a_reply_ends_before_a_tool_result_marker_however_it_is_cut(
 
 def test_the_echoed_wrapper_is_no_answer_and_a_call_before_it_stands() -> None:
     stream = over([ECHO[:9], ECHO[9:]], cut=RESULT_MARKERS)
-    assert stream.collect().text == ""
+    echoed = stream.collect()
+    assert echoed.text == "" and echoed.finish_reason == "stop"
+    assert echoed.tool_call_error is not None and "tool result" in echoed.tool_call_error
+    answered = over(["Sunny. ", ECHO], cut=RESULT_MARKERS).collect()
+    assert answered.text == "Sunny." and answered.tool_call_error is None
+    rerun = Rerun(["It is sunny in Oslo."])  # the retry asks an echo again for text
+    result = over([" ", ECHO], cut=RESULT_MARKERS, retry=RetryPlan(rerun)).collect()
+    assert rerun.asked == [(TEXT, None)] and result.text == "It is sunny in Oslo."
+    assert result.tool_call_error is None
     stream = over([f"<tool_call>{OSLO}</tool_call>", "\n", ECHO], cut=RESULT_MARKERS)
     result = stream.collect()
     assert result.finish_reason == "tool_calls" and len(result.tool_calls) == 1

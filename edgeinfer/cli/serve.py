@@ -112,7 +112,7 @@ def _add_client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative",
         metavar="MODE",
-        help="speculative decoding for requests that do not set their own \"speculative\" "
+        help='speculative decoding for requests that do not set their own "speculative" '
         "field: off, auto, lookup, lookup:N or draft:MODEL[:N] (at --parallel 1; the same "
         "tokens, faster) (default: off)",
     )

@@ -16,7 +16,9 @@ is dropped, generation is stopped there, and the reply finishes "tool_calls" wit
 before it. (The forcing grammar also bounds a reply's calls, formats.MAX_PARALLEL_CALLS.)
 
 A tool-result marker (markers.py: ``<tool_response``, ``</tool_response>``) outside a call
-ends the reply the same way, before the marker: nothing from it on is handed out.
+ends the reply the same way, before the marker: nothing from it on is handed out. A reply
+that is nothing but such an echo (small models copy the results' wrapper instead of
+answering) says so in ``result.tool_call_error``, and the retry asks again for text.
 
 The reply's text is read through ``ReplyText`` (markers.py), which writes out call markers
 that the tokenizer holds as textless tokens.
@@ -257,6 +259,8 @@ class ToolCallStream(TokenStream):
         self._put(text, self._plain(self._buffer[:at], marker not in self._cut))
         if marker in self._cut:
             self.cut_at = marker
+            if not (self._calls or self._buffer[:at].strip() or self._handed_out(text)):
+                self._fail("the reply began a tool result instead of an answer", TEXT, None)
             self._end_at_result_marker()
             return False
         self._buffer, self._in_call = self._buffer[at:], True
@@ -314,6 +318,10 @@ class ToolCallStream(TokenStream):
             self._seen.add(key)
             fresh.append(call)
         return fresh
+
+    def _handed_out(self, text: list[str]) -> bool:
+        """Whether any text of this reply is out (or on its way)."""
+        return any(p.strip() for p in (*self._parts, *text, *(c.text for c in self._pending)))
 
     def _end_at_result_marker(self) -> None:
         self._stop_generation("the reply began a tool result")
