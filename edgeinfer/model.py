@@ -27,7 +27,7 @@ from .scoring import Scores
 from .speculative import OFF, PassCosts, SpeculativeConfig, check_setting, for_request
 from .state import session
 from .state.sequence import SeqStates
-from .tools import ToolRequest
+from .tools.run import tool_chat
 
 if TYPE_CHECKING:
     from .runtimes.base import Backend
@@ -189,7 +189,8 @@ class Model:
         ``tools`` (OpenAI's function tools) and ``tool_choice`` ("auto", "none", "required"
         or ``{"type": "function", "function": {"name": ...}}``): calls come back in
         ``result.tool_calls`` with ``finish_reason="tool_calls"``; "required" and a named
-        function constrain the reply to a valid call (see ``edgeinfer.tools``).
+        function constrain the reply to a valid call; under "auto" a call the model opens is
+        held to its schema and a failed one asked again once (``edgeinfer.tools.run``).
         """
         if not isinstance(parse_special_in_content, bool):
             raise InvalidRequestError(
@@ -197,15 +198,12 @@ class Model:
                 "True or False"
             )
         cfg = SamplingConfig.from_kwargs(config, **sampling)
-        request = ToolRequest.build(tools, tool_choice, parallel_tool_calls, self.chat_template)
-        offered = None
-        if request is not None:
-            messages, cfg = request.messages(messages), request.sampling(cfg)
-            offered = request.template_tools
-        ids, keep = self._chat_request(messages, parse_special_in_content, offered)
+        if tools is not None or tool_choice is not None or parallel_tool_calls is not None:
+            return tool_chat(self, messages, cfg, tools=tools, tool_choice=tool_choice,
+                             parallel_tool_calls=parallel_tool_calls, stream=stream, wait=wait,
+                             parse_special_in_content=parse_special_in_content)  # fmt: skip
+        ids, keep = self._chat_request(messages, parse_special_in_content)
         result = self._stream(ids, cfg, keep, wait)
-        if request is not None:
-            result = request.wrap(result)
         return result if stream else result.collect()
 
     def _chat_request(

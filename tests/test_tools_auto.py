@@ -518,3 +518,20 @@ def test_any_reply_is_read_without_failing_and_retried_at_most_once(
         assert_valid(call)
     if result.tool_calls:
         assert [c for chunk in chunks for c in chunk.tool_calls] == list(result.tool_calls)
+
+
+def test_model_chat_with_tools_is_the_tool_chat(marker_model: Model) -> None:
+    """Model.chat given tools runs tools.run.tool_chat: marker tokens read, the retry on."""
+    from .fakes import FakeBackend
+
+    model = Counted(FakeBackend(n_ctx=4096), name="fake", path=Path("fake"), model_format="f")
+    model.use_chat_template(CHATML)
+    model.chat(ASK, tools=TOOLS, seed=3, max_new_tokens=300)
+    assert model.streams == 2  # the malformed first reply was asked again
+    markers = find_markers(marker_model._tokenizer, FORMATS["hermes"], "")
+    ids = {text: i for i, text in markers.tokens.items()}
+    bias = {ids["<tool_call>"]: 60.0, ids["</tool_call>"]: 60.0}
+    result = marker_model.chat([{"role": "user", "content": "Time?"}], tools=[TINY_TOOL],
+                               tool_choice="required", parallel_tool_calls=False, seed=1,
+                               max_new_tokens=60, logit_bias=bias)  # fmt: skip
+    assert result.finish_reason == "tool_calls" and ids["<tool_call>"] in result.token_ids
