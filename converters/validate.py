@@ -325,7 +325,7 @@ class ModelReference:
 
 def _compare(reference: Any, model: Model, prompt: str, n: int) -> dict[str, Any]:
     ids = model.tokenize(prompt)
-    eos = model._tokenizer.is_end_of_generation
+    eos = model.is_end_token
     continuation, src = reference.run(ids, n, eos)
     res = teacher_forced(model, ids, continuation[:-1])
     greedy = model.generate(ids, max_new_tokens=max(len(continuation), 1), temperature=0)
@@ -371,16 +371,11 @@ def _top2_gap(log_p: np.ndarray) -> np.ndarray:
 
 
 def teacher_forced(model: Model, prompt: list[int], forced: Sequence[int]) -> np.ndarray:
-    """``model``'s next-token logits after ``prompt`` and after each token of ``forced``."""
-    backend = model._backend
-    model._history.tokens = []
-    model._history.batched = 0
-    backend.rewind(0)
-    rows = [np.array(backend.prefill(prompt), dtype=np.float32)]
-    for token in forced:
-        rows.append(np.array(backend.decode(token), dtype=np.float32))
-    backend.rewind(0)
-    return np.stack(rows)
+    """``model``'s next-token log-probabilities after ``prompt`` and after each token of
+    ``forced`` ([1 + len(forced), vocab]), through the public ``Model.score``."""
+    scored = model.score(prompt, [*forced, 0], rows=True)  # the last token's own row unused
+    assert scored.rows is not None
+    return scored.rows
 
 
 def _until_eos(tokens: list[int], is_eos: Any) -> list[int]:

@@ -21,7 +21,7 @@ from .errors import EdgeInferError, InvalidRequestError
 from .generation import Chunk, GenerationResult, KVHistory, TokenStream
 from .many import Request, collect_in_order, read_request
 from .memory import MemoryPlan
-from .model_parts import attach_cache, checked_token_ids, signals_held
+from .model_parts import attach_cache, check_flag, check_overflow, checked_token_ids, signals_held
 from .sampling import Sampler, SamplingConfig
 from .scoring import Scores
 from .speculative import OFF, PassCosts, SpeculativeConfig, check_setting, for_request
@@ -58,11 +58,7 @@ class Model:
         prompt_cache: Any = None,
         speculative: SpeculativeConfig | None = None,
     ) -> None:
-        if context_overflow not in ("stop", "slide"):
-            raise InvalidRequestError(
-                f"context_overflow={context_overflow!r} is invalid: expected 'stop' or 'slide'"
-            )
-        self._slide = context_overflow == "slide"
+        self._slide = check_overflow(context_overflow) == "slide"
         self._memory_plan = memory_plan
         self._backend = backend
         self._chain = [dict(entry) for entry in provider_chain]
@@ -192,11 +188,7 @@ class Model:
         function constrain the reply to a valid call; under "auto" a call the model opens is
         held to its schema and a failed one asked again once (``edgeinfer.tools.run``).
         """
-        if not isinstance(parse_special_in_content, bool):
-            raise InvalidRequestError(
-                f"parse_special_in_content={parse_special_in_content!r} is invalid: expected "
-                "True or False"
-            )
+        check_flag(parse_special_in_content, "parse_special_in_content")
         cfg = SamplingConfig.from_kwargs(config, **sampling)
         if tools is not None or tool_choice is not None or parallel_tool_calls is not None:
             return tool_chat(self, messages, cfg, tools=tools, tool_choice=tool_choice,
@@ -405,12 +397,20 @@ class Model:
         with self._turn("load_state (at parallel > 1: prompt_cache)"):
             return session.load_state(self._seq_states(), self._backend, self._history, path)
 
-    def score(self, prompt: Prompt, continuation: Prompt, *, top_logprobs: int = 0) -> Scores:
+    def score(
+        self, prompt: Prompt, continuation: Prompt, *, top_logprobs: int = 0, rows: bool = False
+    ) -> Scores:
         """Log-probabilities of ``continuation``'s tokens after ``prompt`` (text, read without
-        BOS, or ids), with the ``top_logprobs`` likeliest tokens at each (edgeinfer.scoring)."""
+        BOS, or ids), the ``top_logprobs`` likeliest tokens at each, and with ``rows`` each
+        place's whole distribution (edgeinfer.scoring)."""
         ids, cont = self._prompt_ids(prompt), self._prompt_ids(continuation, add_special=False)
         with self._turn("score"):
-            return scoring.score(self._backend, self._history, ids, cont, top_logprobs)
+            return scoring.score(self._backend, self._history, ids, cont, top_logprobs, rows)
+
+    def is_end_token(self, token_id: int) -> bool:
+        """True for a token that ends a reply (EOS, end of turn)."""
+        (checked,) = checked_token_ids([token_id], self._tokenizer.n_vocab, "is_end_token()")
+        return bool(self._tokenizer.is_end_of_generation(checked))
 
     @contextmanager
     def _turn(self, what: str) -> Iterator[None]:

@@ -19,7 +19,23 @@ from .state.sequence import state_module
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attach_cache", "checked_token_ids", "signals_held"]
+__all__ = ["attach_cache", "check_flag", "check_overflow", "checked_token_ids", "signals_held"]
+
+
+def check_flag(value: object, name: str) -> bool:
+    """A keyword that must be True or False."""
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"{name}={value!r} is invalid: expected True or False")
+    return value
+
+
+def check_overflow(context_overflow: object) -> str:
+    """``load()``'s ``context_overflow``: "stop" or "slide"."""
+    if context_overflow not in ("stop", "slide"):
+        raise InvalidRequestError(
+            f"context_overflow={context_overflow!r} is invalid: expected 'stop' or 'slide'"
+        )
+    return str(context_overflow)
 
 
 def attach_cache(value: Any, backend: Any, path: Path, plan: MemoryPlan | None) -> Any:

@@ -45,6 +45,7 @@ class Scores:
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     top: tuple[tuple[tuple[int, float], ...], ...]
+    rows: np.ndarray | None = None  # with ``rows=True``: [len(token_ids), vocab] log-probs
 
     @property
     def total(self) -> float:
@@ -99,9 +100,13 @@ def score(
     prompt: Sequence[int],
     continuation: Sequence[int],
     top_logprobs: int = 0,
+    rows: bool = False,
 ) -> Scores:
-    """Scores of ``continuation`` after ``prompt``; the caller holds the model's turn."""
+    """Scores of ``continuation`` after ``prompt``; the caller holds the model's turn.
+    ``rows``: keep every place's whole distribution (``Scores.rows``)."""
     top = check_top(top_logprobs)
+    if not isinstance(rows, bool):
+        raise InvalidRequestError(f"rows={rows!r} is invalid: expected True or False")
     if not prompt or not continuation:
         raise InvalidRequestError("score needs a non-empty prompt and a non-empty continuation")
     if len(prompt) + len(continuation) > backend.n_ctx:
@@ -110,15 +115,16 @@ def score(
             f"context holds {backend.n_ctx}; shorten them or load with a larger context_length"
         )
     reused = history.reuse(backend, prompt)
-    rows = [np.array(backend.prefill(prompt[reused:]), dtype=np.float32)]
+    logits = [np.array(backend.prefill(prompt[reused:]), dtype=np.float32)]
     history.tokens, history.batched = list(prompt), len(prompt)
     try:
-        rows += _read(backend, list(continuation[:-1]))
+        logits += _read(backend, list(continuation[:-1]))
     finally:
         backend.rewind(len(prompt))  # the cache holds the prompt, as after a request
-    lp = log_softmax(np.stack(rows))  # [len(continuation), vocab]
+    lp = log_softmax(np.stack(logits))  # [len(continuation), vocab]
     picked = tuple(float(lp[i, t]) for i, t in enumerate(continuation))
-    return Scores(tuple(continuation), picked, tuple(top_alternatives(row, top) for row in lp))
+    tops = tuple(top_alternatives(row, top) for row in lp)
+    return Scores(tuple(continuation), picked, tops, lp if rows else None)
 
 
 def _read(backend: Any, ids: list[int]) -> list[np.ndarray]:

@@ -48,6 +48,36 @@ def test_scores_are_the_steps_log_probabilities(backend) -> None:
     assert np.all(got <= 0)
 
 
+@pytest.mark.parametrize("backend", [FakeBackend, CopyingBackend], ids=["steps", "forward"])
+def test_rows_are_every_places_whole_distribution(backend) -> None:
+    model = Model(backend(), name="f", path=Path("f"), model_format="fake")
+    prompt, continuation = list(b"the rows "), list(b"of a reply")
+    assert model.score(prompt, continuation).rows is None
+    s = model.score(prompt, continuation, top_logprobs=3, rows=True)
+    assert s.rows is not None and s.rows.shape == (len(continuation), model.info["vocab_size"])
+    want = _stepped(model._backend, prompt, continuation)
+    model._history.tokens.clear()
+    model._history.batched = 0
+    np.testing.assert_allclose(s.rows, want, atol=1e-6)
+    np.testing.assert_allclose(np.exp(s.rows).sum(-1), 1.0, atol=1e-9)
+    assert [float(s.rows[i, t]) for i, t in enumerate(continuation)] == list(s.logprobs)
+    with pytest.raises(InvalidRequestError, match="rows"):
+        model.score(prompt, continuation, rows="yes")  # type: ignore[arg-type]
+
+
+def test_end_tokens_are_the_tokenizers_and_ids_are_checked() -> None:
+    model = Model(FakeBackend(), name="f", path=Path("f"), model_format="fake")
+    tokenizer = model._backend.tokenizer
+    vocab = model.info["vocab_size"]
+    assert [t for t in range(vocab) if model.is_end_token(t)] == [
+        t for t in range(vocab) if tokenizer.is_end_of_generation(t)
+    ]
+    assert any(model.is_end_token(t) for t in range(vocab))
+    for bad in (-1, vocab, "1", 1.0):
+        with pytest.raises(InvalidRequestError):
+            model.is_end_token(bad)  # type: ignore[arg-type]
+
+
 def test_the_cache_after_scoring_serves_the_next_request_as_a_fresh_one() -> None:
     fresh = Model(CopyingBackend(), name="a", path=Path("a"), model_format="fake")
     used = Model(CopyingBackend(), name="b", path=Path("b"), model_format="fake")

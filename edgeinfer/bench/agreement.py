@@ -206,7 +206,7 @@ def _reference_runs(spec: Spec) -> tuple[list[list[int]], list[Forced]]:
         threads=spec["threads"],
         engine="llama.cpp",
     ) as ref:
-        eos = ref._tokenizer.is_end_of_generation
+        eos = ref.is_end_token
         prompts = [list(ref.tokenize(p)) for p in VALIDATION_PROMPTS]
         runs = []
         for ids in prompts:

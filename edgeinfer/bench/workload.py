@@ -36,5 +36,4 @@ def prompt_ids(model: Any, n: int, variant: int = 0) -> list[int]:
 
 def end_of_generation_ids(model: Any) -> list[int]:
     """Every token id that would end generation (EOS, EOT, ...), to ban in the workload."""
-    tokenizer = model._tokenizer
-    return [t for t in range(model.info["vocab_size"]) if tokenizer.is_end_of_generation(t)]
+    return [t for t in range(model.info["vocab_size"]) if model.is_end_token(t)]
