@@ -10,6 +10,9 @@ accepted tokens, and the share of replies whose token ids equal plain decoding's
 
     python benchmarks/speculative.py --rounds 3 --threads 2 \
         -o benchmarks/results/speculative.json
+    python benchmarks/speculative.py --model qwen2.5-coder-1.5b-instruct --routes gguf \
+        --settings off,lookup,draft:qwen2.5-coder-0.5b-instruct --per-task 2 --rounds 2 \
+        -o benchmarks/results/speculative-1.5b.json
 """
 
 from __future__ import annotations
@@ -137,22 +140,24 @@ def tasks() -> dict[str, list[dict[str, Any]]]:
     }
 
 
-def worker(route: str, threads: int, max_new_tokens: int) -> dict[str, Any]:
+def worker(route: str, threads: int, max_new_tokens: int, name: str, settings: tuple[str, ...],
+           per_task: int) -> dict[str, Any]:  # fmt: skip
     """One round in this process: every request with every setting, in turn."""
     import edgeinfer
 
-    model = edgeinfer.load("smollm2-135m-instruct", engine=ROUTES[route], threads=threads,
-                           context_length=1024)  # fmt: skip
+    draft = next((s for s in settings if s.startswith("draft:")), "off")  # opened at load
+    model = edgeinfer.load(name, engine=ROUTES[route], threads=threads, context_length=1024,
+                           speculative=draft)  # fmt: skip
     runs: list[dict[str, Any]] = []
     with model:
         warm = tasks()["summarize"][0]
-        for setting in SETTINGS:
+        for setting in settings:
             model.chat(warm["messages"], max_new_tokens=16, temperature=0, speculative=setting)
         for task, requests in tasks().items():
-            for i, request in enumerate(requests):
+            for i, request in enumerate(requests[:per_task]):
                 extra = {k: v for k, v in request.items() if k != "messages"}
                 mine = []
-                for setting in SETTINGS:
+                for setting in settings:
                     r = model.chat(request["messages"], max_new_tokens=max_new_tokens,
                                    temperature=0, speculative=setting, **extra)  # fmt: skip
                     mine.append({
@@ -186,16 +191,16 @@ def _margins(model: Any, request: dict[str, Any], extra: dict[str, Any], n: int,
             r["plain_margin"] = first - second
 
 
-def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(rounds: list[dict[str, Any]], settings: tuple[str, ...] = SETTINGS) -> dict[str, Any]:
     """Per route, task and setting: the median of per-request ratios to plain decoding."""
     table: dict[str, Any] = {}
-    for route in ROUTES:
+    for route in sorted({r["route"] for r in rounds}):
         runs = [run for r in rounds if r["route"] == route for run in r["runs"]]
         plain = {(x["task"], x["prompt"], i): x for i, x in enumerate(_by_round(rounds, route))
                  if x["setting"] == "off"}  # fmt: skip
         table[route] = {}
         for task in tasks():
-            for setting in SETTINGS[1:]:
+            for setting in settings[1:]:
                 ratios, same, margins, drafted, accepted = [], [], [], 0, 0
                 for key, base in plain.items():
                     if key[0] != task:
@@ -249,21 +254,34 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--routes", default="onnx,gguf")
     p.add_argument("-o", "--out", type=Path, default=Path("benchmarks/results/speculative.json"))
+    p.add_argument("--model", default="smollm2-135m-instruct", help="the target model")
+    p.add_argument("--settings", default=",".join(SETTINGS),
+                   help="speculative settings, plain decoding ('off') first; e.g. "
+                   "off,lookup,draft:qwen2.5-coder-0.5b-instruct")  # fmt: skip
+    p.add_argument("--per-task", type=int, default=8, help="requests per task (at most 8)")
     p.add_argument("--worker", choices=sorted(ROUTES), help=argparse.SUPPRESS)
     args = p.parse_args()
+    settings = tuple(args.settings.split(","))
+    if settings[0] != "off":
+        p.error("--settings must start with off (plain decoding, the baseline)")
     if args.worker:
-        print(json.dumps(worker(args.worker, args.threads, args.max_new_tokens)))
+        out = worker(args.worker, args.threads, args.max_new_tokens, args.model, settings,
+                     args.per_task)  # fmt: skip
+        print(json.dumps(out))
         return
     run = conditions.start(args.threads, args.rounds)
     rounds = []
     for n in range(args.rounds):
         for route in args.routes.split(","):  # routes interleaved, one process per round
             argv = [sys.executable, __file__, "--worker", route, "--threads", str(args.threads),
-                    "--max-new-tokens", str(args.max_new_tokens)]  # fmt: skip
+                    "--max-new-tokens", str(args.max_new_tokens), "--model", args.model,
+                    "--settings", args.settings, "--per-task", str(args.per_task)]  # fmt: skip
             done = subprocess.run(argv, capture_output=True, text=True, check=True)
             rounds.append(json.loads(done.stdout.splitlines()[-1]))
             print(f"round {n + 1}/{args.rounds} {route} done", file=sys.stderr)
-    result = {"conditions": conditions.finish(run), "summary": summarize(rounds), "rounds": rounds}
+    summary = summarize(rounds, settings)
+    result = {"conditions": conditions.finish(run), "model": args.model, "settings": settings,
+              "per_task": args.per_task, "summary": summary, "rounds": rounds}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
