@@ -83,6 +83,26 @@ def test_table_and_markdown(tiny_llama_gguf: Path) -> None:
     assert "| --- | --- |" in md.stdout and "mean ± stddev over 1 runs" in md.stdout
 
 
+def test_speculative_rows_say_how_many_drafted_tokens_were_kept(tiny_llama_gguf: Path) -> None:
+    args = ["-p", "32", "-n", "24", "-r", "1", "--warmup", "0", "--context-length", "128"]
+    out = bench(str(tiny_llama_gguf), *args, "--speculative", "lookup:4", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["settings"]["speculative"] == "lookup:4"
+    (run,) = data["results"][0]["runs"]
+    stats = run["engine_stats"]  # the workload's prompt repeats itself: lookup finds drafts
+    assert stats["draft_tokens"] > 0 and 0 <= stats["accepted_tokens"] <= stats["draft_tokens"]
+    table = BenchReport.from_dict(data).text()
+    header, _, row = table.splitlines()[:3]
+    assert header.rstrip(" |").endswith("accepted")
+    assert f"{stats['accepted_tokens']}/{stats['draft_tokens']}" in row
+    plain = bench(str(tiny_llama_gguf), *args, "--json")
+    assert plain.returncode == 0, plain.stderr
+    (run,) = json.loads(plain.stdout)["results"][0]["runs"]
+    assert run["engine_stats"]["draft_tokens"] == 0
+    assert "accepted" not in BenchReport.from_dict(json.loads(plain.stdout)).text()
+
+
 def test_onnx_folder_compares_with_optimum(tiny_llama_onnx: Path) -> None:
     pytest.importorskip("optimum.onnxruntime")
     out = bench(str(tiny_llama_onnx), *ONE_RUN, "--compare", "--json")
@@ -106,6 +126,7 @@ def test_onnx_folder_compares_with_optimum(tiny_llama_onnx: Path) -> None:
         (("--warmup", "-1"), "--warmup -1 is invalid"),
         (("--context-length", "100"), "need 640 tokens"),
         (("--peer-model", "x.gguf"), "add --compare"),
+        (("--speculative", "sometimes"), "speculative='sometimes' is invalid"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(args: tuple[str, ...], message: str) -> None:

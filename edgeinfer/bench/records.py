@@ -155,6 +155,7 @@ _SETTINGS: dict[str, tuple[Check, str]] = {
     "context_length": (_or_none(_positive), "a whole number or null"),
 }
 _SETTINGS_OPTIONAL: dict[str, tuple[Check, str]] = {
+    "speculative": (_text, "a printable string"),
     "parallel": (_parallel_list, f"a list of whole numbers from 1 to {MAX_PARALLEL}"),
 }
 

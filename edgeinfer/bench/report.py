@@ -262,6 +262,7 @@ class BenchReport:
             return "(nothing measured)\n"
         tables = []
         extra = _AGREEMENT_HEADER if self.agreement is not None else []
+        extra = [*extra, "accepted"] if self.speculative else extra
         for header, body in ((_HEADER + extra, single), (_PARALLEL_HEADER + extra, many)):
             if body:
                 lines = _markdown(header, body) if markdown else _boxed(header, body)
@@ -289,6 +290,7 @@ class BenchReport:
             f"{r.figure('peak_rss_mb')['max']:.1f}",
             *(f"{x:.2f}" if x is not None else "-" for x in ratios),
             *self._agreement_cells(r),
+            *self._speculative_cells(r),
         ]
 
     def _cells(self, r: Row) -> list[str]:
@@ -312,7 +314,22 @@ class BenchReport:
             f"{plan / MB:.1f}" if plan else "-",
             f"{ratio:.2f}" if ratio is not None else "-",
             *self._agreement_cells(r),
+            *self._speculative_cells(r),
         ]
+
+    @property
+    def speculative(self) -> bool:
+        return str(self.settings.get("speculative", "off")) != "off"
+
+    def _speculative_cells(self, r: Row) -> list[str]:
+        """With --speculative: drafted tokens the model kept, over every run of the row."""
+        if not self.speculative:
+            return []
+        drafted, accepted = accepted_tokens(r.runs)
+        if drafted is None:
+            return ["-"]  # a peer's row, or a run that drafted nothing it could report
+        share = f" ({100 * accepted / drafted:.0f}%)" if drafted else ""
+        return [f"{accepted}/{drafted}{share}"]
 
     def caption(self) -> str:
         s = self.settings
@@ -417,3 +434,15 @@ def _pm(s: dict[str, float], digits: int) -> str:
     if s.get("n", 2) < 2:
         return f"{s['mean']:.{digits}f}"
     return f"{s['mean']:.{digits}f} ± {s['stddev']:.{digits}f}"
+
+
+def accepted_tokens(runs: list[dict[str, Any]]) -> tuple[int | None, int]:
+    """Drafted and accepted tokens over ``runs`` (edgeinfer's engine_stats); None drafted
+    when no run reports them."""
+    stats = [x["engine_stats"] for x in runs if isinstance(x.get("engine_stats"), dict)]
+    if not stats:
+        return None, 0
+    return (
+        sum(int(s.get("draft_tokens") or 0) for s in stats),
+        sum(int(s.get("accepted_tokens") or 0) for s in stats),
+    )

@@ -26,6 +26,7 @@ from ..errors import (
     MemoryBudgetError,
     ModelLoadError,
 )
+from ..speculative import parse_speculative
 from .peers import Peer, as_named, peers_for
 from .records import (
     MAX_PARALLEL,
@@ -84,6 +85,7 @@ class BenchSettings:
     timeout_s: float = DEFAULT_RUN_TIMEOUT_S  # per run; a peer that takes longer is left out
     parallel: tuple[int, ...] = ()  # streams at once (--parallel); () = the one-stream run
     engine: str = "auto"  # what runs a GGUF for edgeinfer: load()'s engine= (--engine)
+    speculative: str = "off"  # edgeinfer's speculative decoding: load()'s (--speculative)
 
     def checked(self) -> BenchSettings:
         """These settings with defaults filled in; InvalidRequestError names a bad one."""
@@ -103,6 +105,7 @@ class BenchSettings:
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise InvalidRequestError(f"--warmup {self.warmup!r} is invalid: expected 0 or more")
         threads = _threads(self.threads)
+        parse_speculative(self.speculative)  # InvalidRequestError names a bad setting
         context = self._context_length()
         if self.peer_models and not self.compare:
             raise InvalidRequestError("--peer-model names a peer's model: add --compare")
@@ -471,6 +474,7 @@ def _spec(bench: _Bench, run: _Run) -> dict[str, Any]:
     return {
         **({"parallel": run.parallel} if run.parallel is not None else {}),
         **({"route": s.engine} if s.engine != "auto" else {}),
+        **({"speculative": s.speculative} if s.speculative != "off" else {}),
         "prompt_tokens": run.prompt_tokens,
         "new_tokens": s.new_tokens,
         "threads": run.threads,

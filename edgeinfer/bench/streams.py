@@ -114,6 +114,7 @@ def run_edgeinfer_parallel(spec: Spec) -> dict[str, Any]:
         memory_budget=spec["memory_budget"],
         context_length=spec["context_length"],
         threads=spec["threads"],
+        speculative=spec.get("speculative", "off"),
         parallel=n,
         **({"engine": spec["route"]} if spec.get("route") else {}),
     ) as model:

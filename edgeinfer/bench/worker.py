@@ -52,6 +52,7 @@ def run_edgeinfer(spec: Spec) -> dict[str, Any]:
         memory_budget=spec["memory_budget"],
         context_length=spec["context_length"],
         threads=spec["threads"],
+        speculative=spec.get("speculative", "off"),
         **({"engine": spec["route"]} if spec.get("route") else {}),
     ) as model:
         ids = prompt_ids(model, spec["prompt_tokens"])

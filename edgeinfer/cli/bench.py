@@ -134,6 +134,15 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "or onnxruntime (catalog names only) (default: auto)",
     )
     p.add_argument(
+        "--speculative",
+        default="off",
+        metavar="MODE",
+        help="edgeinfer's speculative decoding, as load()'s speculative=: off, auto, lookup, "
+        "lookup:N or draft:MODEL[:N]; the table gains an 'accepted' column (drafted tokens "
+        "the model kept). The workload's prompt repeats itself, so lookup finds more to copy "
+        "than in real text (default: off)",
+    )
+    p.add_argument(
         "--context-length",
         type=int,
         metavar="N",
@@ -271,6 +280,7 @@ def _measure(args: argparse.Namespace) -> BenchReport:
         timeout_s=args.timeout,
         parallel=int_list("--parallel", args.parallel) if args.parallel is not None else (),
         engine=args.engine,
+        speculative=args.speculative,
     )
     argv = sys.argv[1:]
     command = ["edgeinfer", *argv[argv.index("bench") :]] if "bench" in argv else []
