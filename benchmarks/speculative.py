@@ -1,6 +1,6 @@
 """Speculative decoding against plain decoding: the same requests, the same process, in turn.
 
-Tasks (8 prompts each): summarize a given text, extract fields as JSON under a schema,
+Tasks (10 prompts each, 50 in all): summarize a given text, extract fields as JSON under a schema,
 rewrite a paragraph, edit a given function (input-grounded: the reply copies from the
 prompt), and open chat. For each route (the ONNX transcode and llama.cpp on the catalog
 GGUF) one process per round loads the model, warms it up, then runs every prompt with each
@@ -61,12 +61,21 @@ TEXTS = [
     "of yeast and three hundred and fifty grams of warm water. Knead for ten minutes, let it "
     "rise for an hour, shape it, let it rise again, and bake at two hundred and thirty "
     "degrees for thirty five minutes.",
+    "The lighthouse on the north cape was built of grey stone in a single summer. Its lamp "
+    "was first lit by oil, then by gas, and since the war by electricity. A keeper lived in "
+    "the cottage below it until the light was automated, and the cottage now rents rooms to "
+    "walkers on the coastal path.",
+    "A good backup keeps three copies of your files on two kinds of storage, with one copy in "
+    "another place. Test a restore every few months: a backup that has never been restored "
+    "is only a hope. Keep the backup drive unplugged when it is not in use, so a fault or a "
+    "virus on the computer cannot reach it.",
 ]
 RECORDS = [
     ("Maria Lopez", "Valencia", 1987), ("Tomas Berg", "Uppsala", 1990),
     ("Aiko Tanaka", "Sendai", 1979), ("Omar Haddad", "Amman", 2001),
     ("Grace Mensah", "Kumasi", 1995), ("Lukas Novak", "Brno", 1983),
     ("Ines Duarte", "Porto", 1999), ("Pavel Orlov", "Kazan", 1975),
+    ("Nadia Karim", "Tunis", 1992), ("Erik Lund", "Bergen", 1968),
 ]  # fmt: skip
 FUNCTIONS = [
     "def total(items):\n    x = 0\n    for item in items:\n        x = x + item.price\n"
@@ -85,6 +94,10 @@ FUNCTIONS = [
     "    return x.upper()\n",
     "def repeat(text, times):\n    x = ''\n    for _ in range(times):\n        x += text\n"
     "    return x\n",
+    "def first_even(numbers):\n    x = None\n    for n in numbers:\n        if n % 2 == 0:\n"
+    "            x = n\n            break\n    return x\n",
+    "def squares(limit):\n    x = []\n    for i in range(limit):\n        x.append(i * i)\n"
+    "    return x\n",
 ]
 QUESTIONS = [
     "What are good habits for learning a new language?",
@@ -95,6 +108,8 @@ QUESTIONS = [
     "Write a short poem about the sea.",
     "How can I keep houseplants alive while I travel?",
     "What is a good way to plan a week of meals?",
+    "How do bees make honey?",
+    "What can I do to sleep better?",
 ]
 SCHEMA = {
     "type": "object",
@@ -258,7 +273,7 @@ def main() -> None:
     p.add_argument("--settings", default=",".join(SETTINGS),
                    help="speculative settings, plain decoding ('off') first; e.g. "
                    "off,lookup,draft:qwen2.5-coder-0.5b-instruct")  # fmt: skip
-    p.add_argument("--per-task", type=int, default=8, help="requests per task (at most 8)")
+    p.add_argument("--per-task", type=int, default=10, help="requests per task (at most 10)")
     p.add_argument("--worker", choices=sorted(ROUTES), help=argparse.SUPPRESS)
     args = p.parse_args()
     settings = tuple(args.settings.split(","))
