@@ -10,6 +10,8 @@ docs/converting.md are in ``figure_sources_docs.py``, docs/performance.md in
 
 from __future__ import annotations
 
+import json
+
 from tests.figure_sources_bench import BENCH_SPECS
 from tests.figure_sources_docs import DOCS_SPECS
 from tests.figure_sources_readme import README_SPECS
@@ -21,6 +23,7 @@ from tests.figure_values import (
     under,
 )
 from tests.figures import (
+    RESULTS,
     Spec,
     bare,
     frac_pct,
@@ -54,6 +57,21 @@ SAMPLING = results("sampling.json")
 SERVE = results("serve.json")
 SERVE_PAR = results("serve_parallel.json")
 STRUCT = results("structured.json")
+TOOL_CALLS = results("tool_calls.json")
+_TOOL_RATES = ("called_when_should", "right_function", "arguments_valid", "arguments_right",
+               "no_call_when_none_fits", "final_answer_clean")  # fmt: skip
+
+
+def _tool_rows() -> list:  # type: ignore[type-arg]
+    """docs/tools.md's table: each model and setting, each rate that has a denominator."""
+    data = json.loads((RESULTS / "tool_calls.json").read_text())
+    cells = []
+    for model, by in data["summary"].items():
+        for setting, rates in by.items():
+            for key in _TOOL_RATES:
+                if rates[key]["rate"] is not None:
+                    cells.append(frac_pct(TOOL_CALLS("summary", model, setting, key, "rate")))
+    return cells
 
 
 def _bp(file_field, engine: str, parallel: int, *keys: str):
@@ -205,6 +223,15 @@ SMALL_SPECS = [
         "- `tools`, `tool_choice` and `parallel_tool_calls`",
         (given("512 KiB", A_LIMIT),),
     ),
+    Spec(
+        "docs/tools.md",
+        "Use **`qwen2.5-coder-1.5b-instruct`** for tools.",
+        (
+            load(TOOL_CALLS("conditions", "load_before", 0)),
+            bare(TOOL_CALLS("conditions", "load_after", 0)),
+        ),
+    ),
+    Spec("docs/tools.md", "| model | `auto` | called when it should |", tuple(_tool_rows())),
     Spec(
         "docs/apps.md",
         "`apps/device_service.py` is a headless service",
