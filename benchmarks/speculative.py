@@ -11,7 +11,7 @@ accepted tokens, and the share of replies whose token ids equal plain decoding's
     python benchmarks/speculative.py --rounds 3 --threads 2 \
         -o benchmarks/results/speculative.json
     python benchmarks/speculative.py --model qwen2.5-coder-1.5b-instruct --routes gguf \
-        --settings off,lookup,draft:qwen2.5-coder-0.5b-instruct --per-task 2 --rounds 2 \
+        --settings off,lookup,draft:qwen2.5-coder-0.5b-instruct --per-task 3 --rounds 2 \
         -o benchmarks/results/speculative-1.5b.json
 """
 
