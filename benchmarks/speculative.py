@@ -181,6 +181,9 @@ def worker(route: str, threads: int, max_new_tokens: int, name: str, settings: t
                         "decode_tok_s": r.stats.decode_tokens_per_s,
                         "drafted": r.stats.draft_tokens, "accepted": r.stats.accepted_tokens,
                     })  # fmt: skip
+                    if setting == "off":
+                        mine[0]["text"] = r.text
+                mine[0]["prompt_text"] = model.apply_chat_template(request["messages"])
                 _margins(model, request, extra, max_new_tokens, mine)
                 runs += mine
         info = {"route": model.info.get("route"), "backend": model.info.get("backend")}
@@ -189,21 +192,22 @@ def worker(route: str, threads: int, max_new_tokens: int, name: str, settings: t
 
 def _margins(model: Any, request: dict[str, Any], extra: dict[str, Any], n: int,
              runs: list[dict[str, Any]]) -> None:  # fmt: skip
-    """Where a run's tokens part from plain decoding's: the position, and plain decoding's
-    top-two margin there (nats, from its own logprobs, in an untimed run)."""
+    """Where a run's tokens part from plain decoding's: the position, and by how much the
+    model prefers plain decoding's token there over the run's (nats, teacher-forced over
+    plain decoding's own tokens in an untimed pass: ``Model.score``)."""
     plain = runs[0]["token_ids"]
     parted = [r for r in runs[1:] if r["token_ids"] != plain]
     if not parted:
         return
-    again = model.chat(request["messages"], max_new_tokens=n, temperature=0, top_logprobs=2,
-                       **extra)  # fmt: skip
+    ids = model.tokenize(runs[0]["prompt_text"], add_special=False)
     for r in parted:
         pairs = enumerate(zip(plain, r["token_ids"], strict=False))
         at = next((i for i, (a, b) in pairs if a != b), min(len(plain), len(r["token_ids"])))
         r["diverged_at"] = at
-        if at < len(again.logprobs) and len(again.logprobs[at].top) == 2:
-            (_, first), (_, second) = again.logprobs[at].top
-            r["plain_margin"] = first - second
+        if at < min(len(plain), len(r["token_ids"])):
+            scored = model.score(ids + plain[:at], [plain[at]], rows=True)
+            row = scored.rows[0]
+            r["plain_margin"] = float(row[plain[at]] - row[r["token_ids"][at]])
 
 
 def summarize(rounds: list[dict[str, Any]], settings: tuple[str, ...] = SETTINGS) -> dict[str, Any]:

@@ -59,9 +59,11 @@ class Recorded:
 
     @property
     def loaded(self) -> bool:
-        """Taken at a load of 2 or more (1 minute) at its start or end, or not known quiet."""
-        if self.quiet_flag is False:
-            return True
+        """Taken at a load of 2 or more (1 minute) at its start or end, or not known quiet.
+        A file with benchmarks/conditions.py's verdict is judged by it at its end (the run's
+        own threads less: ``end_limit``), and by this rule at its start."""
+        if self.quiet_flag is not None:
+            return not self.quiet_flag or max(self.load_before, default=LOADED) >= LOADED
         return not self.load_recorded or max(self.load_before + self.load_after) >= LOADED
 
     @property
