@@ -14,8 +14,16 @@ Callers (threads, the server, a batch job) submit requests; each step the loop
 
 and hands each slot's logits to its own ``SequenceState`` (sampler, grammar matcher, stop
 strings, detokenizer), whose chunks go to that request's queue. Cancelling one sequence
-leaves the others running. At ``parallel=1`` the model does not use this loop at all: the
-caller's thread runs ``generation.run`` as before.
+leaves the others running.
+
+This is the only generation loop. At ``parallel=1`` the model has one slot and no engine
+thread: the caller's thread steps the same loop (``Engine.run``) in its turn on the model.
+
+Speculative decoding (``edgeinfer.speculative``): a slot that decodes alone drafts tokens
+and reads its pending token and the drafts in one pass (``forward``); its sequence state
+steps over those rows while the sampler picks each draft itself, and the rejected entries
+are rewound. While other slots decode or wait, a slot steps aside from drafting and joins
+the batched step: one pass per step carries every stream.
 """
 
 from __future__ import annotations
@@ -27,19 +35,20 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .errors import EdgeInferError, ModelBusyError
-from .generation import REUSE_GRANULE, Chunk, KVHistory, SequenceState, _slide, shared_prefix
+from .generation import REUSE_GRANULE, Chunk, KVHistory, SequenceState, shared_prefix
 from .sampling import Sampler
+from .speculative import Speculation, draft, drop_unkept, feed
 
 if TYPE_CHECKING:
-    from .runtimes.base import SlotBackend
+    from .runtimes.base import Backend, SlotBackend
 
-__all__ = ["Engine", "SlotView"]
+__all__ = ["Engine", "OneSlot", "SlotView", "slide"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +56,47 @@ DEFAULT_PREFILL_CHUNK = 64  # prompt tokens read per step while other sequences 
 _POLL_S = 0.1  # how often a waiting consumer looks up from its queue (for signals)
 
 
+class OneSlot:
+    """A plain ``Backend`` (one sequence, no slot argument) seen as a slot backend of one
+    slot, so the engine drives it as it drives any other."""
+
+    n_slots = 1
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self.tokenizer = backend.tokenizer
+
+    @property
+    def n_ctx(self) -> int:
+        return self._backend.n_ctx
+
+    @property
+    def reuse_is_exact(self) -> bool:
+        return self._backend.reuse_is_exact
+
+    def slot_past(self, slot: int) -> int:
+        return self._backend.n_past
+
+    def prefill(self, token_ids: Sequence[int], slot: int = 0) -> np.ndarray:
+        return self._backend.prefill(token_ids)
+
+    def decode(self, token_id: int, slot: int = 0) -> np.ndarray:
+        return self._backend.decode(token_id)
+
+    def forward(self, token_ids: Sequence[int], slot: int = 0) -> np.ndarray:
+        return self._backend.forward(token_ids)  # type: ignore[attr-defined]
+
+    def rewind(self, n: int, slot: int = 0) -> None:
+        self._backend.rewind(n)
+
+    def decode_many(self, steps: Sequence[tuple[int, int]]) -> np.ndarray:
+        ((_, token),) = steps
+        return self._backend.decode(token)[None, :]
+
+
 class SlotView:
-    """One slot of a slot backend seen as a single-sequence backend (what ``KVHistory``
-    and ``_slide`` drive)."""
+    """One slot of a slot backend seen as a single-sequence backend (what ``KVHistory``,
+    ``slide``, the prompt cache and speculative decoding drive)."""
 
     def __init__(self, backend: SlotBackend, slot: int) -> None:
         self._backend = backend
@@ -74,8 +121,28 @@ class SlotView:
     def decode(self, token_id: int) -> np.ndarray:
         return self._backend.decode(token_id, self.slot)
 
+    def forward(self, token_ids: Sequence[int]) -> np.ndarray:
+        return self._backend.forward(token_ids, self.slot)  # type: ignore[attr-defined]
+
     def rewind(self, n: int) -> None:
         self._backend.rewind(n, self.slot)
+
+
+def slide(backend: Backend | SlotView, history: KVHistory, token: int, keep: int) -> np.ndarray:
+    """Make room in a full cache: keep the first ``keep`` tokens and the newer half of the
+    rest, read them again after ``keep``, then ``token``; return ``token``'s logits."""
+    window = history.tokens
+    keep = min(keep, backend.n_ctx // 2)
+    recent = window[keep:][-((backend.n_ctx - keep) // 2) :]
+    backend.rewind(keep)
+    history.tokens = window[:keep]
+    kept_batched = history.batched >= keep
+    history.batched = min(history.batched, keep)
+    logits = backend.prefill([*recent, token])
+    history.tokens += [*recent, token]
+    if kept_batched:
+        history.batched = len(history.tokens)
+    return logits
 
 
 @dataclass(eq=False)
@@ -84,6 +151,7 @@ class _Request:
     sampler: Sampler
     cancel: threading.Event
     slide_keep: int | None
+    speculation: Speculation | None = None
     out: queue.SimpleQueue[Chunk | BaseException] = field(default_factory=queue.SimpleQueue)
     t_submit: float = field(default_factory=time.perf_counter)
 
@@ -97,9 +165,10 @@ class _Slot:
     pending: list[int] = field(default_factory=list)  # prompt tokens not read yet
     done: int = 0  # prompt tokens in the cache
     token: int | None = None  # the sampled token the next decode step appends
+    remember: int | None = None  # prompt tokens read, for the prompt cache's copy to come
 
     def free(self) -> None:
-        self.request = self.seq = self.token = None
+        self.request = self.seq = self.token = self.remember = None
         self.pending = []
 
 
@@ -108,25 +177,33 @@ class Engine:
 
     def __init__(
         self,
-        backend: SlotBackend,
+        backend: SlotBackend | Backend,
         *,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         max_step_tokens: int | None = None,
         disk: Any = None,
         owner: object = None,
+        threaded: bool = True,
+        history: KVHistory | None = None,
     ) -> None:
-        self._backend = backend
+        slotted: SlotBackend = backend if hasattr(backend, "n_slots") else OneSlot(backend)  # type: ignore[assignment,arg-type]
+        self._backend = slotted
         self._disk = disk  # a prompt cache (edgeinfer.state.attached): prefixes from disk
-        self._slots = [_Slot(SlotView(backend, s)) for s in range(backend.n_slots)]
+        self._slots = [_Slot(SlotView(slotted, s)) for s in range(slotted.n_slots)]
+        if history is not None:  # slot 0's KV history is its owner's (save_state, score)
+            self._slots[0].history = history
         self._chunk = max(REUSE_GRANULE, prefill_chunk - prefill_chunk % REUSE_GRANULE)
-        self._max_step = max_step_tokens or backend.n_slots + self._chunk
+        self._max_step = max_step_tokens or slotted.n_slots + self._chunk
         self._waiting: deque[_Request] = deque()
         self._cond = threading.Condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="edgeinfer-engine", daemon=True)
-        self._thread.start()
-        if owner is not None:  # an owner dropped without close() stops the loop (and lets
-            # go of the backend) when it is collected; at exit the daemon thread just ends
+        self.threaded = threaded
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self._thread = threading.Thread(target=self._run, name="edgeinfer-engine", daemon=True)
+            self._thread.start()
+        if owner is not None and threaded:  # an owner dropped without close() stops the loop
+            # (and lets go of the backend) when it is collected; at exit the daemon just ends
             weakref.finalize(owner, self.close).atexit = False
 
     # -- callers' side ------------------------------------------------------------------
@@ -137,12 +214,13 @@ class Engine:
         sampler: Sampler,
         cancel: threading.Event,
         slide_keep: int | None = None,
+        speculation: Speculation | None = None,
         *,
         wait: bool = True,
     ) -> Iterator[Chunk]:
         """Queue one request (checked by ``check_request``) now; its chunks, in order.
         Closing the iterator early cancels the sequence."""
-        request = _Request(ids, sampler, cancel, slide_keep)
+        request = _Request(ids, sampler, cancel, slide_keep, speculation)
         with self._cond:
             if self._stopping:
                 raise EdgeInferError("the model is closed; load it again")
@@ -154,6 +232,57 @@ class Engine:
             self._waiting.append(request)
             self._cond.notify_all()
         return _consume(request)
+
+    def run(
+        self,
+        ids: list[int],
+        sampler: Sampler,
+        cancel: threading.Event,
+        slide_keep: int | None = None,
+        speculation: Speculation | None = None,
+    ) -> Iterator[Chunk]:
+        """Serve one request in the caller's thread, stepping the loop between its chunks: an
+        engine made with ``threaded=False`` (one slot; the caller holds the model's turn, so
+        nothing else steps it meanwhile). A chunk is handed out between steps, so a consumer
+        that holds it holds no engine work; one that cancels meanwhile gets its last chunk
+        ("cancelled") without the engine being touched again."""
+        request = _Request(ids, sampler, cancel, slide_keep, speculation)
+        if cancel.is_set():  # cancelled before it began (the model is being closed)
+            yield _never_started(self._backend, request)
+            return
+        slot = self._slots[0]
+        with self._cond:
+            if self._stopping:
+                raise EdgeInferError("the model is closed; load it again")
+            assert slot.request is None, "a one-slot engine serves one request at a time"
+            slot.request = request
+        try:
+            self._start(slot)
+            while True:
+                while not request.out.empty():
+                    item = _delivered(request.out.get())
+                    if item.finish_reason is None and cancel.is_set():
+                        # while the consumer held the last chunk (or the model was closed):
+                        # what is made already ends the stream, "cancelled"
+                        if slot.request is request:
+                            self._finish_cancelled(slot)
+                        item = _merged(item, request.out)
+                    yield item
+                    if item.finish_reason is not None:
+                        return
+                if slot.request is not request:  # ended with nothing more to hand out
+                    return
+                try:
+                    self._step()
+                except BaseException as exc:  # the engine failed, or a signal came, mid-step
+                    self._keep_valid(slot)
+                    if slot.request is not request:  # it had ended: nobody else will see it
+                        raise
+                    self._end(slot, exc)
+        finally:
+            if slot.request is request:  # the consumer left early: the slot is free again
+                with self._cond:
+                    slot.free()
 
     @property
     def activity(self) -> dict[str, int]:
@@ -167,7 +296,7 @@ class Engine:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._thread is not threading.current_thread():
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
     def _free_slots(self) -> int:
@@ -230,6 +359,8 @@ class Engine:
         for slot in self._slots:
             if slot.request is not None and slot.request.cancel.is_set():
                 self._finish_cancelled(slot)
+            elif slot.remember is not None:
+                self._remember(slot)
         decoding = [slot for slot in self._slots if slot.token is not None]
         for slot in [s for s in decoding if self._must_slide(s)]:
             decoding.remove(slot)
@@ -259,6 +390,9 @@ class Engine:
 
     def _decode(self, decoding: list[_Slot]) -> None:
         assert all(slot.token is not None for slot in decoding)
+        if len(decoding) == 1 and self._drafts_alone(decoding[0]):
+            self._verify(decoding[0])
+            return
         steps = [(slot.view.slot, int(slot.token)) for slot in decoding]  # type: ignore[arg-type]
         if len(steps) == 1:
             rows = self._backend.decode(steps[0][1], steps[0][0])[None, :]
@@ -267,6 +401,39 @@ class Engine:
         for i, slot in enumerate(decoding):
             slot.history.tokens.append(steps[i][1])
             self._advance(slot, rows[i])
+
+    def _drafts_alone(self, slot: _Slot) -> bool:
+        """Whether ``slot`` speculates this step: it asked to, and it is the only sequence
+        running or waiting (a draft's longer pass would slow every other stream's step)."""
+        request = slot.request
+        if request is None or request.speculation is None or self._waiting:
+            return False
+        return all(other is slot or other.request is None for other in self._slots)
+
+    def _verify(self, slot: _Slot) -> None:
+        """One step of a slot that speculates: read its pending token and the tokens drafted
+        after it in one pass, keep the drafts its sampler picks itself (each row's token, up
+        to the first that differs from the draft, which is the target's own), rewind the
+        rest."""
+        seq, request = slot.seq, slot.request
+        assert seq is not None and request is not None and slot.token is not None
+        history, spec = slot.history, request.speculation
+        room = self._backend.n_ctx - len(history.tokens) - 2  # a draft never fills the context
+        drafts = draft(spec, seq.context, room, request.sampler.constraint, history.tokens)
+        rows = feed(slot.view, slot.token, drafts, spec)  # type: ignore[arg-type]
+        history.tokens.append(slot.token)
+        seq.drafted += len(drafts)  # counted now: a row below may end the reply (its stats)
+        kept = 0
+        for i, logits in enumerate(rows):
+            if not self._advance(slot, logits) or i >= len(drafts) or slot.token != drafts[i]:
+                break
+            history.tokens.append(drafts[i])  # kept: its entry is in the cache already
+            seq.accepted += 1
+            kept += 1
+        if drafts:
+            assert spec is not None
+            spec.budget.record(len(drafts), kept)
+            drop_unkept(slot.view, history)  # type: ignore[arg-type]
 
     def _prefill(self, slot: _Slot, budget: int | None) -> int | None:
         """Read the next chunk of ``slot``'s prompt (all of it when ``budget`` is None, else
@@ -281,8 +448,7 @@ class Engine:
         try:
             logits = slot.view.prefill(chunk)
         except BaseException as exc:
-            slot.history = KVHistory()
-            _rewind_quietly(slot.view)
+            self._keep_valid(slot)
             self._end(slot, exc)
             return budget
         slot.done += len(chunk)
@@ -294,13 +460,26 @@ class Engine:
         if not slot.pending:
             slot.seq.t_first = slot.seq.t_last = time.perf_counter()
             prefilled = len(request.ids) - slot.seq.reused
-            self._advance(slot, logits)
-            if self._disk is not None:  # the slot holds the prompt until its next decode
-                self._disk.remember(request.ids, prefilled, slot.view.slot)
+            going = self._advance(slot, logits)
+            if self._disk is not None and not request.cancel.is_set():
+                # the slot holds exactly the prompt until its next decode: the copy is made
+                # then, once the first token is out (or now, if the reply already ended)
+                if going:
+                    slot.remember = prefilled
+                else:
+                    self._disk.remember(request.ids, prefilled, slot.view.slot)
         return budget
 
-    def _advance(self, slot: _Slot, logits: np.ndarray) -> None:
-        """Hand one position's logits to the slot's sequence; deliver what it makes."""
+    def _remember(self, slot: _Slot) -> None:
+        """The prompt cache's copy of a slot that holds exactly its prompt (before the slot's
+        first decode)."""
+        request, prefilled, slot.remember = slot.request, slot.remember, None
+        assert request is not None and prefilled is not None and self._disk is not None
+        self._disk.remember(request.ids, prefilled, slot.view.slot)
+
+    def _advance(self, slot: _Slot, logits: np.ndarray) -> bool:
+        """Hand one position's logits to the slot's sequence; deliver what it makes. Whether
+        the sequence goes on (its next token pending in ``slot.token``)."""
         seq, request = slot.seq, slot.request
         assert seq is not None and request is not None
         full = len(slot.history.tokens) + 1 >= self._backend.n_ctx
@@ -312,13 +491,14 @@ class Engine:
             )
         except BaseException as exc:  # a grammar failure: this sequence only
             self._end(slot, exc)
-            return
+            return False
         if step.finish is not None:
             self._end(slot, seq.last_chunk(step.text, step.finish))
-            return
+            return False
         if step.text:
             request.out.put(seq.chunk(step.text))
         slot.token = step.token
+        return True
 
     def _must_slide(self, slot: _Slot) -> bool:
         request = slot.request
@@ -329,10 +509,9 @@ class Engine:
         request = slot.request
         assert request is not None and request.slide_keep is not None and slot.token is not None
         try:
-            logits = _slide(slot.view, slot.history, slot.token, request.slide_keep)
+            logits = slide(slot.view, slot.history, slot.token, request.slide_keep)
         except BaseException as exc:
-            slot.history = KVHistory()
-            _rewind_quietly(slot.view)
+            self._keep_valid(slot)
             self._end(slot, exc)
             return
         self._advance(slot, logits)
@@ -355,10 +534,22 @@ class Engine:
     def _fail_running(self, exc: BaseException) -> None:
         """After a failed forward pass no slot's cache can be trusted: end them all."""
         for slot in self._slots:
-            slot.history = KVHistory()
+            slot.history.clear()
             _rewind_quietly(slot.view)
             if slot.request is not None:
                 self._end(slot, exc)
+
+    def _keep_valid(self, slot: _Slot) -> None:
+        """After a pass over this slot alone failed or was interrupted (a signal is raised
+        once the engine's call has returned): entries past its history are dropped and the
+        history is kept, so the next request still reuses its prefix; if even that fails,
+        the slot starts over."""
+        try:
+            slot.view.rewind(len(slot.history.tokens))
+        except Exception:
+            logger.debug("could not rewind slot %d", slot.view.slot, exc_info=True)
+            slot.history.clear()
+            _rewind_quietly(slot.view)
 
     def _shutdown(self) -> None:
         closed = EdgeInferError("the model was closed before this request ran; load it again")
@@ -386,6 +577,35 @@ def _consume(request: _Request) -> Iterator[Chunk]:
                 return
     finally:
         request.cancel.set()
+
+
+def _delivered(item: Chunk | BaseException) -> Chunk:
+    if isinstance(item, BaseException):
+        raise item
+    return item
+
+
+def _merged(first: Chunk, out: queue.SimpleQueue[Chunk | BaseException]) -> Chunk:
+    """``first`` and every chunk queued after it, up to the request's last one, as one last
+    chunk ending "cancelled" (its stats are the sequence's, made when it ended)."""
+    parts = [first]
+    while parts[-1].finish_reason is None and not out.empty():
+        parts.append(_delivered(out.get()))
+    return replace(
+        parts[-1],
+        text="".join(p.text for p in parts),
+        token_ids=tuple(t for p in parts for t in p.token_ids),
+        logprobs=tuple(lp for p in parts for lp in p.logprobs),
+        finish_reason="cancelled",
+    )
+
+
+def _never_started(backend: SlotBackend, request: _Request) -> Chunk:
+    """The one chunk of a request cancelled before it began."""
+    seq = SequenceState(backend.tokenizer, request.ids, request.sampler)
+    seq.t_start = seq.t_first = seq.t_last = time.perf_counter()
+    seq.reused = len(request.ids)  # nothing was read: no prefill rate
+    return seq.last_chunk("", "cancelled")
 
 
 def _submitted(slot: _Slot) -> float:

@@ -1,8 +1,10 @@
-"""The generation loop shared by every backend, and the objects it hands out.
+"""One sequence's generation, and the objects it hands out.
 
 One request: match the prompt against the tokens already in the KV cache, rewind to the
-common prefix, prefill the rest, then sample -> detokenize -> decode until EOS, a stop string,
-``max_new_tokens``, a full context or a cancel.
+common prefix (``KVHistory``), prefill the rest, then sample -> detokenize -> decode until
+EOS, a stop string, ``max_new_tokens``, a full context or a cancel. ``SequenceState`` turns
+each position's logits into the next token and text; the loop that drives the backend is
+``edgeinfer.engine`` (the only one, for every parallelism).
 
 Under a ``response_format`` the grammar ends the reply (``stop``) and stop strings do not
 apply; a grammar failure after the first token (an llguidance limit met on this path, or
@@ -27,7 +29,6 @@ from .errors import InvalidRequestError
 from .rss import peak_rss
 from .sampling import Sampler, SamplingConfig
 from .scoring import TokenLogprob, token_logprob
-from .speculative import Speculation, draft, drop_unkept, feed
 
 if TYPE_CHECKING:
     from .runtimes.base import Backend, Tokenizer
@@ -131,6 +132,12 @@ class KVHistory:
         # holds only the window's entries of those layers, so it is reused whole or not at all
         self.whole = 0
 
+    def clear(self) -> None:
+        """Forget every entry (the cache can no longer be trusted: a failed or interrupted
+        forward pass)."""
+        self.tokens = []
+        self.batched = self.whole = 0
+
     def reuse(self, backend: Backend, prompt: Sequence[int]) -> int:
         """Rewind ``backend`` to the longest common prefix with ``prompt`` among the entries
         prefill wrote; return its length.
@@ -175,6 +182,12 @@ class TokenStream:
         self._ids: list[int] = []
         self._logprobs: list[TokenLogprob] = []
         self.result: GenerationResult | None = None
+
+    @property
+    def cancel_event(self) -> threading.Event:
+        """The event that cancels this stream (set by ``cancel()``; shared by a stream that
+        wraps this one)."""
+        return self._cancel
 
     def __iter__(self) -> TokenStream:
         return self
@@ -243,23 +256,6 @@ def check_request(backend: Backend, prompt: Sequence[int], config: SamplingConfi
     return sampler
 
 
-def _slide(backend: Backend, history: KVHistory, token: int, keep: int) -> np.ndarray:
-    """Make room in a full cache: keep the first ``keep`` tokens and the newer half of the
-    rest, read them again after ``keep``, then ``token``; return ``token``'s logits."""
-    window = history.tokens
-    keep = min(keep, backend.n_ctx // 2)
-    recent = window[keep:][-((backend.n_ctx - keep) // 2) :]
-    backend.rewind(keep)
-    history.tokens = window[:keep]
-    kept_batched = history.batched >= keep
-    history.batched = min(history.batched, keep)
-    logits = backend.prefill([*recent, token])
-    history.tokens += [*recent, token]
-    if kept_batched:
-        history.batched = len(history.tokens)
-    return logits
-
-
 @dataclass(frozen=True)
 class _Step:
     """What one step did: the token taken (None when the sequence ended without one), its
@@ -297,13 +293,6 @@ class SequenceState:
         self.disk = 0  # of which read from the prompt cache on disk
         self.t_start = self.t_first = self.t_last = 0.0  # perf_counter seconds
         self.drafted = self.accepted = 0  # speculative decoding: tokens drafted, and kept
-
-    def kept(self, drafted: int, accepted: int, speculation: Speculation | None) -> None:
-        """Count one verify pass: ``accepted`` of its ``drafted`` tokens were kept."""
-        self.drafted += drafted
-        self.accepted += accepted
-        if speculation is not None:
-            speculation.budget.record(drafted, accepted)
 
     def step(self, logits: np.ndarray, *, cancelled: bool, out_of_room: bool) -> _Step:
         """Sample the next token from ``logits`` (the last position's) and take it in.
@@ -374,85 +363,3 @@ class SequenceState:
             accepted_tokens=self.accepted,
         )
         return Chunk(tail, tuple(self.unsent), finish, stats, logprobs=tuple(self.unsent_logprobs))
-
-
-def _prefill(
-    backend: Backend,
-    history: KVHistory,
-    prompt: Sequence[int],
-    seq: SequenceState,
-    disk: Any = None,
-) -> np.ndarray:
-    """Reuse what the cache holds of ``prompt`` (after reading a longer prefix from ``disk``,
-    a prompt cache, when it has one), read the rest; return the last logits."""
-    seq.t_start = time.perf_counter()
-    if disk is not None:
-        seq.disk = disk.restore(backend, history, list(prompt))
-    seq.reused = history.reuse(backend, prompt)
-    logits = backend.prefill(prompt[seq.reused :])
-    history.tokens = list(prompt)
-    history.batched = len(prompt)
-    seq.t_first = seq.t_last = time.perf_counter()
-    return logits
-
-
-def run(
-    backend: Backend,
-    history: KVHistory,
-    prompt: Sequence[int],
-    sampler: Sampler,
-    cancel: threading.Event,
-    slide_keep: int | None = None,
-    disk: Any = None,
-    speculation: Speculation | None = None,
-) -> Iterator[Chunk]:
-    """The generation loop (a generator of Chunks) for a request ``check_request`` accepted;
-    the caller holds the model's lock.
-
-    When the context fills up, generation ends with ``finish_reason="length"``; with
-    ``slide_keep`` set it slides instead: the first ``slide_keep`` tokens (the system prompt)
-    stay, the older half of the rest is dropped, and the kept recent tokens are read again at
-    their new positions. ``disk`` (a prompt cache) may read the prompt's prefix from disk
-    and keeps a copy of a long prompt's KV once the first token is out.
-
-    With ``speculation`` a pass reads the pending token and the drafts after it; ``rows`` (their
-    logits) are stepped while the sampler picks each draft itself (edgeinfer.speculative)."""
-    seq = SequenceState(backend.tokenizer, prompt, sampler)
-    rows: Sequence[np.ndarray] = [_prefill(backend, history, prompt, seq, disk)]
-    drafts: list[int] = []
-    remember = disk is not None
-    while True:
-        for i, logits in enumerate(rows):
-            full = len(history.tokens) + 1 >= backend.n_ctx  # no room after this token
-            out_of_room = full and slide_keep is None
-            step = seq.step(logits, cancelled=cancel.is_set(), out_of_room=out_of_room)
-            if step.finish is not None:
-                if step.finish != "cancelled":
-                    drop_unkept(backend, history)
-                if remember and step.finish != "cancelled":
-                    disk.remember(list(prompt), len(prompt) - seq.reused)
-                yield seq.last_chunk(step.text, step.finish)
-                return
-            if step.text:
-                yield seq.chunk(step.text)
-                if cancel.is_set():  # while the consumer held the chunk (or the model was closed)
-                    yield seq.last_chunk("", "cancelled")  # the engine is not touched again
-                    return
-            if remember:  # the cache holds exactly the prompt until the first decode
-                remember = False
-                disk.remember(list(prompt), len(prompt) - seq.reused)
-            if i < len(drafts) and step.token == drafts[i]:
-                history.tokens.append(step.token)  # kept: its entry is in the cache already
-                continue
-            break
-        if drafts:
-            seq.kept(len(drafts), i, speculation)
-            drop_unkept(backend, history)
-        assert step.token is not None  # a step that did not finish took a token
-        if full and slide_keep is not None:
-            rows, drafts = [_slide(backend, history, step.token, slide_keep)], []
-            continue
-        room = backend.n_ctx - len(history.tokens) - 2  # a draft never fills the context
-        drafts = draft(speculation, seq.context, room, sampler.constraint, history.tokens)
-        rows = feed(backend, step.token, drafts, speculation)
-        history.tokens.append(step.token)

@@ -15,7 +15,7 @@ import numpy as np
 from . import generation, scoring
 from ._turns import OpenStreams, Turns
 from .chat import encode_messages, render_chat
-from .embedding import EmbedResult, embed_for_model, require_generation
+from .embedding import EmbedResult, GivenIds, embed_for_model, require_generation
 from .engine import Engine
 from .errors import EdgeInferError, InvalidRequestError
 from .generation import Chunk, GenerationResult, KVHistory, TokenStream
@@ -75,9 +75,12 @@ class Model:
         self._states: SeqStates | None = None  # save_state / load_state, made when first used
         self._disk = attach_cache(prompt_cache, backend, path, memory_plan)
         self._spec, self._costs = speculative or OFF, PassCosts()  # see speculative.py
-        # parallel > 1: one engine thread steps every caller's sequence together
-        slots = getattr(backend, "n_slots", 1)
-        self._engine = Engine(backend, disk=self._disk, owner=self) if slots > 1 else None
+        # the one generation loop; at parallel > 1 its own thread steps every caller's
+        # sequence together, at parallel=1 the caller's thread steps it in its turn
+        threaded = getattr(backend, "n_slots", 1) > 1
+        self._engine = Engine(
+            backend, disk=self._disk, owner=self, threaded=threaded, history=self._history
+        )
 
     # -- requests -------------------------------------------------------------------------
 
@@ -124,10 +127,11 @@ class Model:
         check_setting(cfg.speculative, self._spec)  # a draft model it was not loaded with
         cancel = threading.Event()
         parse = sampler.constraint.parse if sampler.constraint is not None else None
-        if self._engine is not None and eager:
+        if self._engine.threaded and eager:
             slide_keep = keep if self._slide else None
-            chunks = self._engine.submit(ids, sampler, cancel, slide_keep, wait=wait)
-        elif self._engine is not None:
+            spec = for_request(sampler.config.speculative, self._spec, self._backend, self._costs)
+            chunks = self._engine.submit(ids, sampler, cancel, slide_keep, spec, wait=wait)
+        elif self._engine.threaded:
             chunks = self._joined(ids, sampler, cancel, keep, wait)
         else:
             chunks = self._locked(ids, sampler, cancel, keep, wait)
@@ -343,6 +347,15 @@ class Model:
         self._require_open()
         return embed_for_model(self._backend, self._name, self._memory_plan, texts, **options)
 
+    def embed_ids(self, seqs: Sequence[Sequence[int]], **options: Any) -> EmbedResult:
+        """Vectors of token-id lists (this model's vocabulary), embedded as given instead of
+        tokenizing text: batches, pooling and normalizing as ``embed_detailed``'s; a list
+        past the model's length is cut as a text's tokens are (its last id kept)."""
+        self._require_open()
+        ids = [checked_token_ids(s, self._tokenizer.n_vocab, "input") for s in seqs]
+        given = GivenIds(self._backend, ids)
+        return embed_for_model(given, self._name, self._memory_plan, [""] * len(ids), **options)
+
     @property
     def info(self) -> dict[str, Any]:
         """Format, backend, provider, device, context length, KV cache size, threads, and the
@@ -373,7 +386,7 @@ class Model:
     @property
     def activity(self) -> dict[str, int]:
         """Slots, slots busy, and requests waiting for a slot, now."""
-        if self._engine is not None:
+        if self._engine.threaded:
             return self._engine.activity
         waiting = self._turns.waiting
         return {"slots": 1, "busy": int(self._turns.busy), "queued": max(0, waiting - 1)}
@@ -415,7 +428,7 @@ class Model:
     @contextmanager
     def _turn(self, what: str) -> Iterator[None]:
         """The model to this call alone (parallel=1): no request runs until the block ends."""
-        if self._engine is not None:
+        if self._engine.threaded:
             raise InvalidRequestError(f"{what} works on a model loaded with parallel=1")
         with self._turns.turn(), self._open.lock:
             self._require_open()
@@ -430,8 +443,7 @@ class Model:
         "cancelled" (at their next step: a stream another thread holds suspended is not
         waited for). A SIGINT or SIGTERM arriving meanwhile takes effect once it is freed."""
         self._open.end_all()  # they end "cancelled" at their next step, later ones at once
-        if self._engine is not None:
-            self._engine.close()  # running sequences end "cancelled"; the loop stops
+        self._engine.close()  # running sequences end "cancelled"; the loop stops
         if self._disk is not None:
             self._disk.flush()  # a snapshot being written is finished (it is atomic anyway)
         with self._open.lock:  # no request is in the engine now; none will enter it again
@@ -474,10 +486,10 @@ class Model:
         self, ids: list[int], sampler: Sampler, cancel: threading.Event, keep: int, wait: bool
     ) -> Iterator[Chunk]:
         """Serve one request as a sequence of the running batch (joined as iteration starts)."""
-        assert self._engine is not None
         self._require_open()
         slide_keep = keep if self._slide else None
-        yield from self._engine.submit(ids, sampler, cancel, slide_keep, wait=wait)
+        spec = for_request(sampler.config.speculative, self._spec, self._backend, self._costs)
+        yield from self._engine.submit(ids, sampler, cancel, slide_keep, spec, wait=wait)
 
     def _locked(
         self, ids: list[int], sampler: Sampler, cancel: threading.Event, keep: int, wait: bool
@@ -485,9 +497,9 @@ class Model:
         """Serve one request in its turn (taken when iteration starts). The turn ends before
         the final chunk is handed out, so a consumer that stops there holds nothing."""
         final: Chunk | None = None
-        args = (self._backend, self._history, ids, sampler, cancel, keep if self._slide else None)
         spec = for_request(sampler.config.speculative, self._spec, self._backend, self._costs)
-        start = partial(generation.run, *args, self._disk, spec)
+        slide_keep = keep if self._slide else None
+        start = partial(self._engine.run, ids, sampler, cancel, slide_keep, spec)
         with self._turns.turn(wait=wait):
             for chunk in self._open.steps(self._require_open, cancel, start):
                 if chunk.finish_reason is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +15,9 @@ import pytest
 import edgeinfer
 from edgeinfer import cli
 from edgeinfer.config import LoadConfig
+from edgeinfer.engine import Engine
 from edgeinfer.errors import InvalidRequestError, MemoryBudgetError
-from edgeinfer.generation import KVHistory, run
+from edgeinfer.generation import Chunk, KVHistory
 from edgeinfer.inventory import build_inventory
 from edgeinfer.loader import resolve
 from edgeinfer.memory import (
@@ -171,6 +174,13 @@ def test_cli_memory_budget(default_gguf: Path, capsys: pytest.CaptureFixture[str
 
 
 # -- a full context: stop, or slide ---------------------------------------------------------
+
+
+def run(backend: FakeBackend, history: KVHistory, prompt: list[int], sampler: Sampler,
+        cancel: threading.Event, slide_keep: int | None = None) -> Iterator[Chunk]:  # fmt: skip
+    """One request through the generation loop, stepped in this thread (as at parallel=1)."""
+    engine = Engine(backend, threaded=False, history=history)
+    return engine.run(prompt, sampler, cancel, slide_keep)
 
 
 def test_full_context_stops_with_length() -> None:
