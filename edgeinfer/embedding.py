@@ -23,11 +23,13 @@ from .errors import (
     NotAnEmbeddingModelError,
     short_repr,
 )
+from .runtimes.base import cut_keeping_last
 
 __all__ = [
     "MAX_BATCH_SIZE",
     "MAX_TEXT_CHARS",
     "EmbedResult",
+    "GivenIds",
     "NotAGenerativeModelError",
     "NotAnEmbeddingModelError",
     "check_texts",
@@ -198,3 +200,18 @@ def embed_for_model(
     result = embed_texts(backend, checked, normalize=normalize, batch_size=size, on_batch=on_batch)
     log_truncation(result, backend.n_ctx)
     return result
+
+
+class GivenIds:
+    """``backend`` whose tokenizer answers with the given id lists (``Model.embed_ids``):
+    every other attribute is the backend's own."""
+
+    def __init__(self, backend: Any, seqs: list[list[int]]) -> None:
+        self._backend, self._seqs = backend, seqs
+
+    def tokenize(self, texts: Sequence[str]) -> tuple[list[list[int]], list[int]]:
+        cut = cut_keeping_last(self._seqs, int(self._backend.n_ctx))
+        return cut, [len(ids) for ids in self._seqs]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)

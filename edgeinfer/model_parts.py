@@ -15,7 +15,7 @@ from .memory import MemoryPlan
 from .sampling import is_int
 from .state.attached import AttachedCache
 from .state.prompt_cache import PromptCache
-from .state.sequence import state_module
+from .state.sequence import kv_state_of
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def attach_cache(value: Any, backend: Any, path: Path, plan: MemoryPlan | None) 
     cache = PromptCache.of(value)
     if cache is None:
         return None
-    if state_module(backend) is None:
+    if kv_state_of(backend) is None:
         raise InvalidRequestError("prompt_cache: this model's backend cannot save its KV cache")
     attached = AttachedCache.attach(cache, backend, path, plan.budget if plan else None)
     if attached.whole_only:

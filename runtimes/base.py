@@ -11,7 +11,7 @@ callers that keep them must copy.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -21,6 +21,7 @@ from edgeinfer.errors import InvalidRequestError
 __all__ = [
     "TOKEN_TEXT_RULE",
     "Backend",
+    "KVState",
     "SlotBackend",
     "Tokenizer",
     "TokenizerBase",
@@ -160,6 +161,42 @@ class Backend(Protocol):
 
 
 @runtime_checkable
+class KVState(Protocol):
+    """A backend's KV cache, one sequence (slot) at a time, as bytes and back, in a layout
+    the backend owns (``SlotBackend.kv_state()``; snapshots and the prompt cache use nothing
+    else of it).
+
+    ``layout()`` is every setting a sequence's KV numbers depend on (element type, context,
+    batch, ...): a snapshot restores only where it is equal. ``bytes_per_token`` is one
+    token's K and V in every layer, from the cache's element type. ``save(slot)`` returns
+    buffers whose concatenation is the payload; ``load`` empties the slot, then fills it with
+    ``n_tokens`` tokens from ``nbytes`` bytes that ``read`` writes into the buffers it is
+    given (leaving the slot empty on any failure)."""
+
+    @property
+    def bytes_per_token(self) -> int: ...
+
+    @property
+    def copies_on_restore(self) -> bool:
+        """Whether a restore holds a second copy of the payload in memory while it reads."""
+
+    @property
+    def whole_only(self) -> bool:
+        """Whether a restored sequence can only be reused whole (never rewound into)."""
+
+    def layout(self) -> dict[str, Any]: ...
+
+    def payload_band(self, n_tokens: int) -> tuple[int, int]:
+        """The least and most payload bytes a sequence of ``n_tokens`` tokens takes."""
+
+    def save(self, slot: int) -> list[Any]: ...
+
+    def load(
+        self, slot: int, n_tokens: int, nbytes: int, read: Callable[[memoryview], None]
+    ) -> None: ...
+
+
+@runtime_checkable
 class SlotBackend(Backend, Protocol):
     """A backend whose one model and one KV allocation hold ``n_slots`` sequences.
 
@@ -187,6 +224,18 @@ class SlotBackend(Backend, Protocol):
     def decode_many(self, steps: Sequence[tuple[int, int]]) -> np.ndarray:
         """Append token ``t`` to slot ``s`` for each ``(s, t)`` in ``steps`` (distinct slots),
         in one forward pass; the logits [len(steps), vocab] of those positions."""
+
+    @property
+    def multi_position_logits(self) -> bool:
+        """Whether ``forward`` can return the logits of every position it reads."""
+
+    def forward(self, token_ids: Sequence[int], slot: int = 0) -> np.ndarray:
+        """Append ``token_ids`` to slot ``slot`` in one pass; the logits of every position
+        read, [len(token_ids), vocab] (speculative decoding's verify step, teacher-forced
+        scoring)."""
+
+    def kv_state(self) -> KVState:
+        """The slots' KV cache as bytes and back (snapshots, the prompt cache)."""
 
 
 def check_slot(slot: int, n_slots: int) -> int:

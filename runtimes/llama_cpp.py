@@ -49,6 +49,7 @@ from .base import (
     is_marker,
     tokenizer_text,
 )
+from .llama_state import LlamaKVState
 
 __all__ = ["LlamaCppBackend", "LlamaCppTokenizer", "engine", "engine_log_listener", "open_backend"]
 
@@ -322,6 +323,10 @@ class LlamaCppBackend:
     @property
     def kv_nbytes(self) -> int:
         return self._kv_nbytes
+
+    def kv_state(self) -> LlamaKVState:
+        """The slots' KV cache as bytes and back (``runtimes.base.KVState``)."""
+        return LlamaKVState(self)
 
     @property
     def info(self) -> dict[str, Any]:

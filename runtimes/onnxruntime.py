@@ -43,6 +43,7 @@ from .onnx_checks import (
 )
 from .onnx_external import GraphFacts, read_graph_facts
 from .onnx_slots import SlotCache, plan_step
+from .onnx_state import OnnxKVState
 from .tokenizer_json import JsonTokenizer
 
 __all__ = ["OrtBackend", "open_backend"]
@@ -50,7 +51,6 @@ __all__ = ["OrtBackend", "open_backend"]
 logger = logging.getLogger(__name__)
 
 _PREFILL_CHUNK = 256  # tokens per run during prefill: bounds the [chunk, vocab] logits buffer
-_KV_BYTES = {"float32": 4, "float16": 2}
 _MAX_TEMPLATE_BYTES = 1 << 20  # real templates are a few KB
 _DML = "DmlExecutionProvider"
 _TRT = "TensorrtExecutionProvider"
@@ -101,6 +101,11 @@ class OrtBackend:
         self._n_ctx = config.context_for(arch.max_context)
         self._has_position_ids = any(i.name == "position_ids" for i in self._session.get_inputs())
         self._kv_type = np.float16 if arch.kv_dtype == "float16" else np.float32
+        # one token's K and V in every layer: the one place the ONNX cache's size is computed
+        itemsize = np.dtype(self._kv_type).itemsize
+        self._kv_bytes_per_token = (
+            2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * itemsize
+        )
         self._past_names = past_names(arch.num_layers)
         self._present_names = [n.replace("past_key_values", "present") for n in self._past_names]
         check_graph(self._session, arch)
@@ -220,9 +225,11 @@ class OrtBackend:
 
     @property
     def kv_nbytes(self) -> int:
-        a = self._arch
-        per_slot = 2 * a.num_layers * a.num_kv_heads * a.head_dim * self._n_ctx
-        return per_slot * _KV_BYTES.get(a.kv_dtype, 4) * self._n_slots
+        return self._kv_bytes_per_token * self._n_ctx * self._n_slots
+
+    def kv_state(self) -> OnnxKVState:
+        """The slots' KV cache as bytes and back (``runtimes.base.KVState``)."""
+        return OnnxKVState(self)
 
     @property
     def info(self) -> dict[str, Any]:

@@ -279,3 +279,23 @@ def test_a_snapshot_of_the_same_architecture_with_other_weights_is_refused(
         assert other.generate("hello", max_new_tokens=2).finish_reason in ("stop", "length")
     with _load(paths[0]) as same:
         assert same.load_state(state)  # the weights it was made from still take it
+
+
+def test_a_float32_llama_cpp_cache_round_trips(tiny_llama_gguf: Path, tmp_path: Path) -> None:
+    """A float32 llama.cpp cache is counted at 4 bytes an element (the plan's size, the KV
+    state's, model.info's), and its snapshot is taken back and restores exactly."""
+    path = tmp_path / "f32.kvs"
+    with _load(tiny_llama_gguf, kv_dtype="float32") as f32, _load(tiny_llama_gguf) as f16:
+        per_token = f32._backend.kv_state().bytes_per_token
+        assert per_token == 2 * f16._backend.kv_state().bytes_per_token
+        assert f32.info["kv_cache_bytes"] == 2 * f16.info["kv_cache_bytes"]
+        assert f32.info["kv_cache_bytes"] == per_token * f32.context_length
+        first, second = _prompts(f32)
+        f32.generate(first, max_new_tokens=3, temperature=0)
+        f32.save_state(path)
+    with _load(tiny_llama_gguf, kv_dtype="float32") as restored:
+        restored.load_state(path)
+        got, reused = _next_logits(restored, second)
+    with _load(tiny_llama_gguf, kv_dtype="float32") as fresh_model:
+        want, _ = _next_logits(fresh_model, second)
+    assert reused == 96 and np.array_equal(got, want)

@@ -12,12 +12,10 @@ are (its last id kept) and reported ``truncated``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-from ..embedding import EmbedResult, embed_for_model
+from ..embedding import EmbedResult
 from ..model import Model
-from ..runtimes.base import cut_keeping_last
 from . import wire
 
 __all__ = ["MAX_IDS", "embed_token_ids", "token_id_inputs"]
@@ -68,21 +66,4 @@ def _ids(values: list[Any], where: str, vocab: int) -> list[int]:
 def embed_token_ids(model: Model, seqs: list[list[int]]) -> EmbedResult:
     """The vectors of checked id lists, through the model's own embedding path (batches,
     pooling, normalizing) with the ids in place of its tokenizer's."""
-    # Model has no public call that embeds ids: its backend and memory plan, read here only
-    backend, plan = model._backend, model._memory_plan
-    return embed_for_model(_GivenIds(backend, seqs), model.info["name"], plan, [""] * len(seqs))
-
-
-class _GivenIds:
-    """``backend`` whose tokenizer answers with the given ids: every other attribute is the
-    backend's own."""
-
-    def __init__(self, backend: Any, seqs: list[list[int]]) -> None:
-        self._backend, self._seqs = backend, seqs
-
-    def tokenize(self, texts: Sequence[str]) -> tuple[list[list[int]], list[int]]:
-        cut = cut_keeping_last(self._seqs, int(self._backend.n_ctx))
-        return cut, [len(ids) for ids in self._seqs]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._backend, name)
+    return model.embed_ids(seqs)

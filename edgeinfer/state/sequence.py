@@ -1,36 +1,33 @@
 """One sequence's KV snapshot for a loaded model: capture, write, read back into a slot.
 
 The backend's part (what its KV layout is, how many bytes n tokens take, how to copy a slot
-out and in) lives in ``runtimes/llama_state.py`` and ``runtimes/onnx_state.py``; this module
-ties it to the snapshot file and the model's fingerprint.
+out and in) is the ``KVState`` the backend hands out (``runtimes.base``: ``kv_state()``);
+this module ties it to the snapshot file and the model's fingerprint.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgeinfer.errors import SnapshotError
 
 from .fingerprint import fingerprint
 from .snapshot import Header, PayloadReader, open_snapshot, read_header, write_snapshot
 
-__all__ = ["Capture", "SeqStates", "state_module"]
+if TYPE_CHECKING:
+    from edgeinfer.runtimes.base import KVState
 
-_MODULES = {"llama.cpp": "llama_state", "onnxruntime": "onnx_state"}
+__all__ = ["Capture", "SeqStates", "kv_state_of"]
 
 
-def state_module(backend: Any) -> Any | None:
-    """The module that copies ``backend``'s KV in and out; None for a backend without one."""
-    try:
-        name = _MODULES.get(backend.info.get("backend"))
-    except Exception:  # a backend whose info is not a mapping
-        return None
-    return importlib.import_module(f"edgeinfer.runtimes.{name}") if name else None
+def kv_state_of(backend: Any) -> KVState | None:
+    """``backend``'s KV state (``SlotBackend.kv_state``); None for a backend without one."""
+    kv_state = getattr(backend, "kv_state", None)
+    return kv_state() if callable(kv_state) else None
 
 
 @dataclass(frozen=True)
@@ -50,10 +47,10 @@ class SeqStates:
     """Snapshots of ``backend``'s sequences, fingerprinted for ``model_path``."""
 
     def __init__(self, backend: Any, model_path: Path) -> None:
-        module = state_module(backend)
-        if module is None:
+        kv = kv_state_of(backend)
+        if kv is None:
             raise SnapshotError("this model's backend cannot save or restore its KV cache")
-        self._module = module
+        self._kv = kv
         self._backend = backend
         self._model_path = model_path
         self._fingerprint: dict[str, Any] | None = None
@@ -61,17 +58,16 @@ class SeqStates:
     @property
     def fingerprint(self) -> dict[str, Any]:
         if self._fingerprint is None:
-            layout = self._module.layout(self._backend)
+            layout = self._kv.layout()
             self._fingerprint = fingerprint(self._model_path, self._backend.info, layout)
         return self._fingerprint
 
     def payload_band(self, n_tokens: int) -> tuple[int, int]:
-        return self._module.payload_band(self._backend, n_tokens)
+        return self._kv.payload_band(n_tokens)
 
     def capture(self, slot: int, tokens: Sequence[int], reusable: int) -> Capture:
         """Copy slot ``slot``'s KV, which holds ``tokens``."""
-        parts = self._module.save_seq(self._backend, slot)
-        return Capture(tuple(tokens), reusable, [parts] if isinstance(parts, bytearray) else parts)
+        return Capture(tuple(tokens), reusable, self._kv.save(slot))
 
     def write(self, path: Path, capture: Capture) -> int:
         """Write ``capture`` to ``path`` atomically; the file's size."""
@@ -83,14 +79,13 @@ class SeqStates:
     def whole_only(self) -> bool:
         """Whether a restored snapshot can only be reused whole (llama.cpp, sliding-window
         layers): it is then cut at the reuse granule when saved."""
-        check = getattr(self._module, "whole_only", None)
-        return bool(check(self._backend)) if check is not None else False
+        return bool(self._kv.whole_only)
 
     @property
     def copies_on_restore(self) -> bool:
         """Whether a restore holds a second copy of the KV in memory while it reads (llama.cpp
         takes the state as one buffer; the ONNX cache is read in place)."""
-        return bool(getattr(self._module, "COPIES_ON_RESTORE", False))
+        return bool(self._kv.copies_on_restore)
 
     def check_fingerprint(self, theirs: dict[str, Any], path: Path) -> None:
         """SnapshotError naming what differs (the file's value and this machine's) when
@@ -149,7 +144,7 @@ class SeqStates:
             reader = PayloadReader(fd, header, path)
             try:
                 n = len(header.tokens)
-                self._module.load_seq(self._backend, slot, n, header.payload_bytes, reader)
+                self._kv.load(slot, n, header.payload_bytes, reader)
                 reader.verify()
             except BaseException:
                 self._backend.rewind(0, slot)

@@ -75,7 +75,7 @@ class ToolCallStream(TokenStream):
         retry: RetryPlan | None = None,
         find_calls: bool = True,
     ) -> None:
-        super().__init__(iter(()), inner._cancel)
+        super().__init__(iter(()), inner.cancel_event)
         self._inner = inner
         self._tools = tools
         self._fmt = fmt
