@@ -29,138 +29,38 @@ the batched step: one pass per step carries every stream.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .delivery import Submitted, consume, delivered, merged_cancelled, never_started
 from .errors import EdgeInferError, ModelBusyError
 from .generation import REUSE_GRANULE, Chunk, KVHistory, SequenceState, shared_prefix
 from .sampling import Sampler
+from .slots import OneSlot, SlotView, slide
 from .speculative import Speculation, draft, drop_unkept, feed
 
 if TYPE_CHECKING:
     from .runtimes.base import Backend, SlotBackend
 
-__all__ = ["Engine", "OneSlot", "SlotView", "slide"]
+__all__ = ["Engine"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK = 64  # prompt tokens read per step while other sequences decode
-_POLL_S = 0.1  # how often a waiting consumer looks up from its queue (for signals)
-
-
-class OneSlot:
-    """A plain ``Backend`` (one sequence, no slot argument) seen as a slot backend of one
-    slot, so the engine drives it as it drives any other."""
-
-    n_slots = 1
-
-    def __init__(self, backend: Backend) -> None:
-        self._backend = backend
-        self.tokenizer = backend.tokenizer
-
-    @property
-    def n_ctx(self) -> int:
-        return self._backend.n_ctx
-
-    @property
-    def reuse_is_exact(self) -> bool:
-        return self._backend.reuse_is_exact
-
-    def slot_past(self, slot: int) -> int:
-        return self._backend.n_past
-
-    def prefill(self, token_ids: Sequence[int], slot: int = 0) -> np.ndarray:
-        return self._backend.prefill(token_ids)
-
-    def decode(self, token_id: int, slot: int = 0) -> np.ndarray:
-        return self._backend.decode(token_id)
-
-    def forward(self, token_ids: Sequence[int], slot: int = 0) -> np.ndarray:
-        return self._backend.forward(token_ids)  # type: ignore[attr-defined]
-
-    def rewind(self, n: int, slot: int = 0) -> None:
-        self._backend.rewind(n)
-
-    def decode_many(self, steps: Sequence[tuple[int, int]]) -> np.ndarray:
-        ((_, token),) = steps
-        return self._backend.decode(token)[None, :]
-
-
-class SlotView:
-    """One slot of a slot backend seen as a single-sequence backend (what ``KVHistory``,
-    ``slide``, the prompt cache and speculative decoding drive)."""
-
-    def __init__(self, backend: SlotBackend, slot: int) -> None:
-        self._backend = backend
-        self.slot = slot
-        self.tokenizer = backend.tokenizer
-
-    @property
-    def n_ctx(self) -> int:
-        return self._backend.n_ctx
-
-    @property
-    def n_past(self) -> int:
-        return self._backend.slot_past(self.slot)
-
-    @property
-    def reuse_is_exact(self) -> bool:
-        return self._backend.reuse_is_exact
-
-    def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
-        return self._backend.prefill(token_ids, self.slot)
-
-    def decode(self, token_id: int) -> np.ndarray:
-        return self._backend.decode(token_id, self.slot)
-
-    def forward(self, token_ids: Sequence[int]) -> np.ndarray:
-        return self._backend.forward(token_ids, self.slot)  # type: ignore[attr-defined]
-
-    def rewind(self, n: int) -> None:
-        self._backend.rewind(n, self.slot)
-
-
-def slide(backend: Backend | SlotView, history: KVHistory, token: int, keep: int) -> np.ndarray:
-    """Make room in a full cache: keep the first ``keep`` tokens and the newer half of the
-    rest, read them again after ``keep``, then ``token``; return ``token``'s logits."""
-    window = history.tokens
-    keep = min(keep, backend.n_ctx // 2)
-    recent = window[keep:][-((backend.n_ctx - keep) // 2) :]
-    backend.rewind(keep)
-    history.tokens = window[:keep]
-    kept_batched = history.batched >= keep
-    history.batched = min(history.batched, keep)
-    logits = backend.prefill([*recent, token])
-    history.tokens += [*recent, token]
-    if kept_batched:
-        history.batched = len(history.tokens)
-    return logits
-
-
-@dataclass(eq=False)
-class _Request:
-    ids: list[int]
-    sampler: Sampler
-    cancel: threading.Event
-    slide_keep: int | None
-    speculation: Speculation | None = None
-    out: queue.SimpleQueue[Chunk | BaseException] = field(default_factory=queue.SimpleQueue)
-    t_submit: float = field(default_factory=time.perf_counter)
 
 
 @dataclass(eq=False)
 class _Slot:
     view: SlotView
     history: KVHistory = field(default_factory=KVHistory)
-    request: _Request | None = None
+    request: Submitted | None = None
     seq: SequenceState | None = None
     pending: list[int] = field(default_factory=list)  # prompt tokens not read yet
     done: int = 0  # prompt tokens in the cache
@@ -194,7 +94,7 @@ class Engine:
             self._slots[0].history = history
         self._chunk = max(REUSE_GRANULE, prefill_chunk - prefill_chunk % REUSE_GRANULE)
         self._max_step = max_step_tokens or slotted.n_slots + self._chunk
-        self._waiting: deque[_Request] = deque()
+        self._waiting: deque[Submitted] = deque()
         self._cond = threading.Condition()
         self._stopping = False
         self.threaded = threaded
@@ -220,7 +120,7 @@ class Engine:
     ) -> Iterator[Chunk]:
         """Queue one request (checked by ``check_request``) now; its chunks, in order.
         Closing the iterator early cancels the sequence."""
-        request = _Request(ids, sampler, cancel, slide_keep, speculation)
+        request = Submitted(ids, sampler, cancel, slide_keep, speculation)
         with self._cond:
             if self._stopping:
                 raise EdgeInferError("the model is closed; load it again")
@@ -231,7 +131,7 @@ class Engine:
                 )
             self._waiting.append(request)
             self._cond.notify_all()
-        return _consume(request)
+        return consume(request)
 
     def run(
         self,
@@ -246,9 +146,9 @@ class Engine:
         nothing else steps it meanwhile). A chunk is handed out between steps, so a consumer
         that holds it holds no engine work; one that cancels meanwhile gets its last chunk
         ("cancelled") without the engine being touched again."""
-        request = _Request(ids, sampler, cancel, slide_keep, speculation)
+        request = Submitted(ids, sampler, cancel, slide_keep, speculation)
         if cancel.is_set():  # cancelled before it began (the model is being closed)
-            yield _never_started(self._backend, request)
+            yield never_started(self._backend, request)
             return
         slot = self._slots[0]
         with self._cond:
@@ -260,13 +160,13 @@ class Engine:
             self._start(slot)
             while True:
                 while not request.out.empty():
-                    item = _delivered(request.out.get())
+                    item = delivered(request.out.get())
                     if item.finish_reason is None and cancel.is_set():
                         # while the consumer held the last chunk (or the model was closed):
                         # what is made already ends the stream, "cancelled"
                         if slot.request is request:
                             self._finish_cancelled(slot)
-                        item = _merged(item, request.out)
+                        item = merged_cancelled(item, request.out)
                     yield item
                     if item.finish_reason is not None:
                         return
@@ -422,17 +322,22 @@ class Engine:
         drafts = draft(spec, seq.context, room, request.sampler.constraint, history.tokens)
         rows = feed(slot.view, slot.token, drafts, spec)  # type: ignore[arg-type]
         history.tokens.append(slot.token)
-        seq.drafted += len(drafts)  # counted now: a row below may end the reply (its stats)
-        kept = 0
+        kept, ended = 0, False
         for i, logits in enumerate(rows):
-            if not self._advance(slot, logits) or i >= len(drafts) or slot.token != drafts[i]:
+            if not self._advance(slot, logits):
+                ended = True  # the reply ended at this row: its draft was never in question
+                break
+            if i >= len(drafts) or slot.token != drafts[i]:
                 break
             history.tokens.append(drafts[i])  # kept: its entry is in the cache already
-            seq.accepted += 1
             kept += 1
+            seq.drafted += 1  # counted as it is kept: a later row may end the reply
+            seq.accepted += 1
         if drafts:
             assert spec is not None
-            spec.budget.record(len(drafts), kept)
+            checked = kept if ended else len(drafts)  # after a mismatch the rest are rejected
+            seq.drafted += checked - kept
+            spec.budget.record(checked, kept)
             drop_unkept(slot.view, history)  # type: ignore[arg-type]
 
     def _prefill(self, slot: _Slot, budget: int | None) -> int | None:
@@ -560,52 +465,6 @@ class Engine:
             waiting, self._waiting = list(self._waiting), deque()
         for request in waiting:
             request.out.put(closed)
-
-
-def _consume(request: _Request) -> Iterator[Chunk]:
-    """The request's chunks as the engine delivers them; leaving early cancels it."""
-    try:
-        while True:
-            try:
-                item = request.out.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item.finish_reason is not None:
-                return
-    finally:
-        request.cancel.set()
-
-
-def _delivered(item: Chunk | BaseException) -> Chunk:
-    if isinstance(item, BaseException):
-        raise item
-    return item
-
-
-def _merged(first: Chunk, out: queue.SimpleQueue[Chunk | BaseException]) -> Chunk:
-    """``first`` and every chunk queued after it, up to the request's last one, as one last
-    chunk ending "cancelled" (its stats are the sequence's, made when it ended)."""
-    parts = [first]
-    while parts[-1].finish_reason is None and not out.empty():
-        parts.append(_delivered(out.get()))
-    return replace(
-        parts[-1],
-        text="".join(p.text for p in parts),
-        token_ids=tuple(t for p in parts for t in p.token_ids),
-        logprobs=tuple(lp for p in parts for lp in p.logprobs),
-        finish_reason="cancelled",
-    )
-
-
-def _never_started(backend: SlotBackend, request: _Request) -> Chunk:
-    """The one chunk of a request cancelled before it began."""
-    seq = SequenceState(backend.tokenizer, request.ids, request.sampler)
-    seq.t_start = seq.t_first = seq.t_last = time.perf_counter()
-    seq.reused = len(request.ids)  # nothing was read: no prefill rate
-    return seq.last_chunk("", "cancelled")
 
 
 def _submitted(slot: _Slot) -> float:

@@ -124,7 +124,7 @@ def _opened(
 ) -> tuple[Backend, ModelSource, list[dict[str, Any]], LoadConfig, Route, SpeculativeConfig]:
     """The generative model ``named`` opened on its route, in its memory plan, with the draft
     model ``spec`` names, if any: backend, source, provider chain, config, route, setting."""
-    draft = _draft_source(spec, named, config.device, engine, parallel)
+    draft = _draft_source(spec, named, config.device, engine)
     source, route, config = _routed(
         model, named, config, budget, parallel, engine, draft[0] if draft else None
     )
@@ -207,19 +207,15 @@ def _budget_route(named: ModelSource, refused: MemoryBudgetError) -> Route:
 
 
 def _draft_source(
-    spec: SpeculativeConfig, target: ModelSource, device: str, engine: str, parallel: int | str
+    spec: SpeculativeConfig, target: ModelSource, device: str, engine: str
 ) -> tuple[ModelSource, bool] | None:
     """For ``speculative="draft:NAME"``: the draft model's source to open (routed as the
-    target is, at one slot) and whether its vocabulary was compared with the target's here
-    (files of one format; else the opened tokenizers are compared). None for other settings."""
+    target is, at one slot: at any parallel only a sequence that runs alone drafts) and
+    whether its vocabulary was compared with the target's here (files of one format; else
+    the opened tokenizers are compared). None for other settings."""
     if spec.method != "draft" or spec.draft is None:
         return None
     setting = f"draft:{spec.draft}"
-    if parallel != 1:
-        raise InvalidRequestError(
-            f"speculative={setting!r:.80} runs at parallel=1 (at parallel > 1 speculation steps "
-            "aside): load with parallel=1, or leave speculative at 'off'"
-        )
     try:
         named = resolve(spec.draft)
     except EdgeInferError as exc:

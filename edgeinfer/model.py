@@ -22,7 +22,7 @@ from .generation import Chunk, GenerationResult, KVHistory, TokenStream
 from .many import Request, collect_in_order, read_request
 from .memory import MemoryPlan
 from .model_parts import attach_cache, check_flag, check_overflow, checked_token_ids, signals_held
-from .sampling import Sampler, SamplingConfig
+from .sampling import SamplingConfig
 from .scoring import Scores
 from .speculative import OFF, PassCosts, SpeculativeConfig, check_setting, for_request
 from .state import session
@@ -39,10 +39,8 @@ Messages = Sequence[Mapping[str, Any]]
 
 
 class Model:
-    """A loaded model. Requests are served one at a time; the KV cache is reused between them.
-
-    Use ``edgeinfer.load(...)`` to make one, and ``close()`` (or ``with``) to free it.
-    """
+    """A loaded model; requests run through its one generation loop, reusing the KV cache.
+    Make one with ``edgeinfer.load(...)``; ``close()`` (or ``with``) frees it."""
 
     def __init__(
         self,
@@ -75,12 +73,11 @@ class Model:
         self._states: SeqStates | None = None  # save_state / load_state, made when first used
         self._disk = attach_cache(prompt_cache, backend, path, memory_plan)
         self._spec, self._costs = speculative or OFF, PassCosts()  # see speculative.py
-        # the one generation loop; at parallel > 1 its own thread steps every caller's
-        # sequence together, at parallel=1 the caller's thread steps it in its turn
+        # the one generation loop: at parallel > 1 its thread steps every caller's sequence
+        # together; at parallel=1 the caller's thread steps it in its turn
         threaded = getattr(backend, "n_slots", 1) > 1
-        self._engine = Engine(
-            backend, disk=self._disk, owner=self, threaded=threaded, history=self._history
-        )
+        self._engine = Engine(backend, disk=self._disk, owner=self, threaded=threaded,
+                              history=self._history)  # fmt: skip
 
     # -- requests -------------------------------------------------------------------------
 
@@ -124,17 +121,17 @@ class Model:
         if not isinstance(wait, bool):
             raise InvalidRequestError(f"wait={wait!r} is invalid: expected True or False")
         sampler = generation.check_request(self._backend, ids, cfg)  # raises now, not at next()
-        check_setting(cfg.speculative, self._spec)  # a draft model it was not loaded with
+        # refuses a draft model it was not loaded with; None when it does not speculate
+        spec = for_request(cfg.speculative, self._spec, self._backend, self._costs)
         cancel = threading.Event()
         parse = sampler.constraint.parse if sampler.constraint is not None else None
-        if self._engine.threaded and eager:
-            slide_keep = keep if self._slide else None
-            spec = for_request(sampler.config.speculative, self._spec, self._backend, self._costs)
-            chunks = self._engine.submit(ids, sampler, cancel, slide_keep, spec, wait=wait)
-        elif self._engine.threaded:
-            chunks = self._joined(ids, sampler, cancel, keep, wait)
+        request = (ids, sampler, cancel, keep if self._slide else None, spec)
+        if not self._engine.threaded:
+            chunks = self._locked(request, wait)
+        elif eager:
+            chunks = self._engine.submit(*request, wait=wait)
         else:
-            chunks = self._locked(ids, sampler, cancel, keep, wait)
+            chunks = self._joined(request, wait)
         return TokenStream(chunks, cancel, parse)
 
     @overload
@@ -348,9 +345,8 @@ class Model:
         return embed_for_model(self._backend, self._name, self._memory_plan, texts, **options)
 
     def embed_ids(self, seqs: Sequence[Sequence[int]], **options: Any) -> EmbedResult:
-        """Vectors of token-id lists (this model's vocabulary), embedded as given instead of
-        tokenizing text: batches, pooling and normalizing as ``embed_detailed``'s; a list
-        past the model's length is cut as a text's tokens are (its last id kept)."""
+        """``embed_detailed`` of token-id lists (this model's vocabulary) instead of texts; a
+        list past the model's length is cut as a text's tokens are (its last id kept)."""
         self._require_open()
         ids = [checked_token_ids(s, self._tokenizer.n_vocab, "input") for s in seqs]
         given = GivenIds(self._backend, ids)
@@ -482,26 +478,19 @@ class Model:
             )
         return checked_token_ids(prompt, self._tokenizer.n_vocab, "prompt")
 
-    def _joined(
-        self, ids: list[int], sampler: Sampler, cancel: threading.Event, keep: int, wait: bool
-    ) -> Iterator[Chunk]:
-        """Serve one request as a sequence of the running batch (joined as iteration starts)."""
+    def _joined(self, request: tuple[Any, ...], wait: bool) -> Iterator[Chunk]:
+        """Serve one request as a sequence of the running batch, joined as iteration starts."""
         self._require_open()
-        slide_keep = keep if self._slide else None
-        spec = for_request(sampler.config.speculative, self._spec, self._backend, self._costs)
-        yield from self._engine.submit(ids, sampler, cancel, slide_keep, spec, wait=wait)
+        yield from self._engine.submit(*request, wait=wait)
 
-    def _locked(
-        self, ids: list[int], sampler: Sampler, cancel: threading.Event, keep: int, wait: bool
-    ) -> Iterator[Chunk]:
-        """Serve one request in its turn (taken when iteration starts). The turn ends before
-        the final chunk is handed out, so a consumer that stops there holds nothing."""
+    def _locked(self, request: tuple[Any, ...], wait: bool) -> Iterator[Chunk]:
+        """Serve one request in its turn (taken when iteration starts), the caller's thread
+        stepping the one-slot loop. The turn ends before the final chunk is handed out, so a
+        consumer that stops there holds nothing."""
         final: Chunk | None = None
-        spec = for_request(sampler.config.speculative, self._spec, self._backend, self._costs)
-        slide_keep = keep if self._slide else None
-        start = partial(self._engine.run, ids, sampler, cancel, slide_keep, spec)
+        start = partial(self._engine.run, *request)
         with self._turns.turn(wait=wait):
-            for chunk in self._open.steps(self._require_open, cancel, start):
+            for chunk in self._open.steps(self._require_open, request[2], start):
                 if chunk.finish_reason is not None:
                     final = chunk
                     break

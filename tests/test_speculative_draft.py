@@ -413,9 +413,23 @@ def test_a_budget_without_room_for_the_draft_is_refused_before_anything_opens(
     assert opened == []  # refused from the plan: no engine was opened
 
 
-def test_a_draft_is_a_load_time_thing_at_one_slot(tiny: dict[str, Path]) -> None:
-    with pytest.raises(InvalidRequestError, match="parallel=1"):
-        _load(tiny["target"], f"draft:{tiny['draft']}", parallel=2)
+def test_a_draft_model_at_parallel_2_drafts_for_a_sequence_running_alone(
+    tiny: dict[str, Path],
+) -> None:
+    """At parallel > 1 the draft model serves the sequence that runs alone (beside other
+    streams it steps aside); its greedy tokens are plain decoding's, as at one slot."""
+    with _load(tiny["target"], f"draft:{tiny['draft']}:4", parallel=2) as model:
+        assert model.parallel == 2
+        kw, drafted = _greedy_kw(model), 0
+        for prompt in REAL_PROMPTS:
+            plain = model.generate(prompt, speculative="off", **kw)
+            fast = model.generate(prompt, **kw)
+            drafted += fast.stats.draft_tokens
+            _check_beyond_noise(model, prompt, plain.token_ids, fast.token_ids)
+        assert drafted > 0
+
+
+def test_a_draft_is_a_load_time_thing(tiny: dict[str, Path]) -> None:
     with pytest.raises(edgeinfer.ModelLoadError, match="the draft model"):
         _load(tiny["target"], "draft:/no/such/draft.gguf")
     with _load(tiny["target"], f"draft:{tiny['draft']}") as model:

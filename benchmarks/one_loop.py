@@ -1,0 +1,128 @@
+"""One stream's speed through the one generation loop, beside an earlier edgeinfer's.
+
+The engine's slot loop serves ``parallel=1`` too (one slot, stepped in the caller's thread),
+where an earlier edgeinfer ran a loop of its own. This runs ``edgeinfer bench`` of both on the
+same model, route and workload, interleaved round by round (baseline, this, baseline, this,
+...; each run a fresh process as ``bench`` makes it), and reports each one's decode and
+prefill tokens/s and this one's ratio to the baseline, per route.
+
+The baseline is another interpreter with the earlier edgeinfer installed (a wheel built from
+its commit, in a venv that sees this one's site-packages for the engines):
+
+    git worktree add /tmp/base <commit>
+    python -m venv /tmp/basevenv
+    echo "$PWD/.venv/lib/python3.11/site-packages" \\
+        > /tmp/basevenv/lib/python3.11/site-packages/engines.pth
+    /tmp/basevenv/bin/pip install --no-deps /tmp/base
+    python benchmarks/one_loop.py --baseline /tmp/basevenv/bin/python --baseline-commit <commit> \\
+        --rounds 5 --threads 2 -o benchmarks/results/one_loop.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import conditions
+
+ROUTES = {"gguf": "llama.cpp", "onnx": "onnxruntime"}
+
+
+def bench_once(python: str, model: str, engine: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One ``edgeinfer bench`` run (one measured repetition after one warm-up): its figures."""
+    command = [
+        python, "-m", "edgeinfer", "bench", model, "--engine", engine,
+        "-p", str(args.prompt_tokens), "-n", str(args.new_tokens),
+        "-r", "1", "--warmup", "1", "--threads", str(args.threads), "--json",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+    report = json.loads(done.stdout)
+    rows = [r for r in report["results"] if r.get("engine") == "edgeinfer"]
+    if len(rows) != 1:
+        raise SystemExit(f"expected one edgeinfer row, got {len(rows)}: {done.stdout[:500]}")
+    runs = rows[0]["runs"]
+    return {
+        "decode_tok_s": statistics.median(float(r["decode_tok_s"]) for r in runs),
+        "prefill_tok_s": statistics.median(float(r["prefill_tok_s"]) for r in runs),
+    }
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per route: each side's median figures over the rounds, and this one's ratio to the
+    baseline's (the median of the per-round ratios, with their range)."""
+    out: dict[str, Any] = {}
+    for route in sorted({r["route"] for r in runs}):
+        mine = [r for r in runs if r["route"] == route]
+        rounds = sorted({r["round"] for r in mine})
+        pairs = []
+        for n in rounds:
+            by_side = {r["side"]: r for r in mine if r["round"] == n}
+            if {"baseline", "this"} <= set(by_side):
+                pairs.append((by_side["baseline"], by_side["this"]))
+        ratios = [b["decode_tok_s"] and t["decode_tok_s"] / b["decode_tok_s"] for b, t in pairs]
+        out[route] = {
+            "baseline_decode_tok_s": statistics.median(b["decode_tok_s"] for b, _ in pairs),
+            "this_decode_tok_s": statistics.median(t["decode_tok_s"] for _, t in pairs),
+            "baseline_prefill_tok_s": statistics.median(b["prefill_tok_s"] for b, _ in pairs),
+            "this_prefill_tok_s": statistics.median(t["prefill_tok_s"] for _, t in pairs),
+            "decode_ratio_median": statistics.median(ratios),
+            "decode_ratio_range": [min(ratios), max(ratios)],
+            "rounds": len(pairs),
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", required=True, help="python with the earlier edgeinfer")
+    parser.add_argument("--baseline-commit", default="", help="the commit it was built from")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--routes", default="gguf,onnx", help="of: " + ",".join(ROUTES))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("-p", "--prompt-tokens", type=int, default=128)
+    parser.add_argument("-n", "--new-tokens", type=int, default=128)
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("-o", "--out", type=Path, default=Path("one_loop.json"))
+    args = parser.parse_args(argv)
+    routes = [r for r in args.routes.split(",") if r]
+    if unknown := [r for r in routes if r not in ROUTES]:
+        parser.error(f"unknown route(s) {unknown}; expected some of {', '.join(ROUTES)}")
+    sides = {"baseline": args.baseline, "this": sys.executable}
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    cond = conditions.start(args.threads, args.rounds)
+    runs: list[dict[str, Any]] = []
+    for n in range(args.rounds):
+        for route in routes:
+            for side, python in sides.items():
+                figures = bench_once(python, args.model, ROUTES[route], args)
+                runs.append({"round": n, "route": route, "side": side, **figures})
+                print(f"round {n} {route} {side}: {figures['decode_tok_s']:.1f} tok/s decode",
+                      file=sys.stderr)  # fmt: skip
+    result = {
+        "conditions": conditions.finish(cond),
+        "model": args.model,
+        "workload": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens},
+        "baseline": {"python": args.baseline, "commit": args.baseline_commit},
+        "this": {"python": sys.executable, "commit": head.stdout.strip()},
+        "summary": summarize(runs),
+        "runs": runs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(args.out)
+    print(json.dumps(result["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
