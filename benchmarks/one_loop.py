@@ -15,7 +15,7 @@ its commit, in a venv that sees this one's site-packages for the engines):
         > /tmp/basevenv/lib/python3.11/site-packages/engines.pth
     /tmp/basevenv/bin/pip install --no-deps /tmp/base
     python benchmarks/one_loop.py --baseline /tmp/basevenv/bin/python --baseline-commit <commit> \\
-        --rounds 5 --threads 2 -o benchmarks/results/one_loop.json
+        --rounds 10 --threads 2 -o benchmarks/results/one_loop.json
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +34,52 @@ import conditions
 
 ROUTES = {"gguf": "llama.cpp", "onnx": "onnxruntime"}
 
+# The loop's own cost per token, without an engine: a backend whose forward pass is free
+# (fixed logits, a Python list for the cache) under Model.generate, greedy, 4,000 tokens.
+# Run by each side's interpreter, outside the checkout; prints microseconds per token.
+OVERHEAD = """
+import time, numpy as np
+from pathlib import Path
+from edgeinfer.model import Model
+
+class Tok:
+    n_vocab, bos_token, eos_token, chat_template = 512, None, None, None
+    def encode(self, text, *, add_special=True, parse_special=True): return [1, 2, 3, 4]
+    def token_bytes(self, t): return b"a"
+    def is_end_of_generation(self, t): return False
+
+class Free:
+    tokenizer, n_ctx, reuse_is_exact, kv_nbytes, info = Tok(), 8192, True, 0, {"backend": "free"}
+    def __init__(self):
+        self.cache, self.logits = [], np.zeros(512, np.float32)
+        self.logits[7] = 1.0
+    @property
+    def n_past(self): return len(self.cache)
+    def prefill(self, ids): self.cache += list(ids); return self.logits
+    def decode(self, t): self.cache.append(t); return self.logits
+    def rewind(self, n): del self.cache[n:]
+    def close(self): pass
+
+model = Model(Free(), name="free", path=Path("free"), model_format="free")
+model.generate("x", max_new_tokens=200, temperature=0)
+start = time.perf_counter()
+r = model.generate("x", max_new_tokens=4000, temperature=0)
+print(1e6 * (time.perf_counter() - start) / len(r.token_ids))
+"""
+
 
 def bench_once(python: str, model: str, engine: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One ``edgeinfer bench`` run (one measured repetition after one warm-up): its figures."""
+    """One ``edgeinfer bench`` run (``--repetitions`` measured runs after one warm-up, each a
+    fresh process): the medians of its runs."""
     command = [
         python, "-m", "edgeinfer", "bench", model, "--engine", engine,
         "-p", str(args.prompt_tokens), "-n", str(args.new_tokens),
-        "-r", "1", "--warmup", "1", "--threads", str(args.threads), "--json",
+        "-r", str(args.repetitions), "--warmup", "1", "--threads", str(args.threads), "--json",
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    # run outside the checkout: `python -m` puts the working folder first on sys.path, where
+    # this checkout's edgeinfer/ would shadow the baseline's installed one
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
+                          cwd=tempfile.gettempdir())  # fmt: skip
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
     report = json.loads(done.stdout)
@@ -55,11 +93,20 @@ def bench_once(python: str, model: str, engine: str, args: argparse.Namespace) -
     }
 
 
+def overhead_once(python: str) -> float:
+    """The loop's microseconds per token on a free backend (``OVERHEAD``), by ``python``."""
+    done = subprocess.run([python, "-c", OVERHEAD], capture_output=True, text=True,
+                          timeout=300, cwd=tempfile.gettempdir())  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"the overhead run of {python} failed:\n{done.stderr[-2000:]}")
+    return float(done.stdout.split()[-1])
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per route: each side's median figures over the rounds, and this one's ratio to the
     baseline's (the median of the per-round ratios, with their range)."""
     out: dict[str, Any] = {}
-    for route in sorted({r["route"] for r in runs}):
+    for route in sorted({r["route"] for r in runs if r["route"] != "free"}):
         mine = [r for r in runs if r["route"] == route]
         rounds = sorted({r["round"] for r in mine})
         pairs = []
@@ -77,6 +124,13 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "decode_ratio_range": [min(ratios), max(ratios)],
             "rounds": len(pairs),
         }
+    free = [r for r in runs if r["route"] == "free"]
+    if free:
+        out["free"] = {
+            side: {"us_per_token_median": statistics.median(
+                r["us_per_token"] for r in free if r["side"] == side)}
+            for side in ("baseline", "this")
+        }  # fmt: skip
     return out
 
 
@@ -88,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routes", default="gguf,onnx", help="of: " + ",".join(ROUTES))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repetitions", type=int, default=3, help="measured runs per bench")
     parser.add_argument("-p", "--prompt-tokens", type=int, default=128)
     parser.add_argument("-n", "--new-tokens", type=int, default=128)
     parser.add_argument("--timeout", type=float, default=900.0)
@@ -107,10 +162,17 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append({"round": n, "route": route, "side": side, **figures})
                 print(f"round {n} {route} {side}: {figures['decode_tok_s']:.1f} tok/s decode",
                       file=sys.stderr)  # fmt: skip
+        for side, python in sides.items():
+            runs.append({"round": n, "route": "free", "side": side,
+                         "us_per_token": overhead_once(python)})  # fmt: skip
     result = {
         "conditions": conditions.finish(cond),
         "model": args.model,
-        "workload": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens},
+        "workload": {
+            "prompt_tokens": args.prompt_tokens,
+            "new_tokens": args.new_tokens,
+            "repetitions_per_bench": args.repetitions,
+        },
         "baseline": {"python": args.baseline, "commit": args.baseline_commit},
         "this": {"python": sys.executable, "commit": head.stdout.strip()},
         "summary": summarize(runs),
