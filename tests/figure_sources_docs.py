@@ -24,6 +24,7 @@ from tests.figures import (
     spec,
     times,
     tps,
+    us,
 )
 
 MEM = "docs/memory.md"
@@ -44,6 +45,7 @@ VALID = results("onnx-validation.json")
 INT4 = results("int4_route.json")
 CONVERT = results("gguf_convert.json")
 QUANTS = results("gguf_quants.json")
+ONE_LOOP = results("one_loop.json")
 
 A_SETTING = "a setting"
 
@@ -134,7 +136,28 @@ def _kv16_speed(engine: str) -> object:
     return KV16_SPEED("summary", "2048", engine, "decode_tok_s")
 
 
+def _one_loop_route(route: str) -> list:
+    """this / baseline decode tok/s, the median ratio and its range, of one route."""
+    return [
+        tps(ONE_LOOP("summary", route, "this_decode_tok_s")),
+        bare(ONE_LOOP("summary", route, "baseline_decode_tok_s")),
+        times(ONE_LOOP("summary", route, "decode_ratio_median")),
+        times(ONE_LOOP("summary", route, "decode_ratio_range", 0)),
+        times(ONE_LOOP("summary", route, "decode_ratio_range", 1)),
+    ]
+
+
 DOCS_SPECS: list[Spec] = [
+    spec(
+        "docs/performance.md",
+        "There is one generation loop: the slot engine",
+        *_one_loop_route("gguf"),
+        *_one_loop_route("onnx"),
+        us(ONE_LOOP("summary", "free", "this", "us_per_token_median")),
+        us(ONE_LOOP("summary", "free", "baseline", "us_per_token_median")),
+        given("8 ms", "the decode rates above, as milliseconds per token"),
+        given("9 ms", "the decode rates above, as milliseconds per token"),
+    ),
     spec(MEM, "- **Plan**: the process now", given("2x", "a formula (2 x layers x ...)")),
     spec(
         MEM,
