@@ -9,7 +9,14 @@ from .busy import CpuShare, cpu_share
 from .errors import InvalidRequestError
 from .manifest import KV_DTYPES as MANIFEST_KV_DTYPES
 
-__all__ = ["DEFAULT_CONTEXT_LENGTH", "KV_DTYPES", "MAX_THREADS", "LoadConfig"]
+__all__ = [
+    "DEFAULT_CONTEXT_LENGTH",
+    "KV_DTYPES",
+    "MAX_PARALLEL",
+    "MAX_THREADS",
+    "LoadConfig",
+    "check_parallel",
+]
 
 # Context used when the caller gives none: the model's trained context, capped here so a
 # 128k-context model does not reserve a KV cache for 128k tokens by default.
@@ -18,6 +25,19 @@ _MIN_CONTEXT_LENGTH = 16
 # llama.cpp's own limit (GGML_MAX_N_THREADS); more threads than that crashed the engine.
 MAX_THREADS = 512
 KV_DTYPES = ("auto", *MANIFEST_KV_DTYPES)  # load(kv_dtype=...): "auto" or a graph's type
+MAX_PARALLEL = 256  # sequence slots one model holds at most (load's parallel=, --parallel)
+
+
+def check_parallel(parallel: object, *, auto: bool = True) -> int:
+    """``parallel`` as a slot count (1 to ``MAX_PARALLEL``); InvalidRequestError otherwise."""
+    if isinstance(parallel, int) and not isinstance(parallel, bool):
+        if 1 <= parallel <= MAX_PARALLEL:
+            return parallel
+    hint = " or 'auto' (the most slots the memory budget allows)" if auto else ""
+    raise InvalidRequestError(
+        f"parallel={parallel!r} is invalid: expected an integer from 1 to {MAX_PARALLEL} (the "
+        f"sequences generated at once){hint}"
+    )
 
 
 @dataclass(frozen=True)
@@ -62,12 +82,7 @@ class LoadConfig:
             raise InvalidRequestError(
                 f"kv_dtype={self.kv_dtype!r} is invalid: expected one of {', '.join(KV_DTYPES)}"
             )
-        parallel = self.parallel
-        if not isinstance(parallel, int) or isinstance(parallel, bool) or not 1 <= parallel <= 256:
-            raise InvalidRequestError(
-                f"parallel={parallel!r} is invalid: expected an integer from 1 to 256 (sequence "
-                "slots) or 'auto'"
-            )
+        check_parallel(self.parallel)
         threads = self.threads
         if threads is not None and (
             not isinstance(threads, int)

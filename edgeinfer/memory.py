@@ -88,6 +88,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from .config import check_parallel  # where load() checks it; the plan takes it checked
 from .errors import InvalidRequestError, MemoryBudgetError
 from .memory_costs import SLOT_LOGITS_BYTES, THREAD_BYTES, EngineCosts, costs_for
 from .memory_plan import MemoryPlan, draft_text, mb, slots_text, step_text
@@ -121,7 +122,6 @@ _GROWTH_MARGIN_FRACTION = 0.05  # of what grows after the load (KV cache, comput
 # parallel="auto": the most slots tried, and the per-slot context each must keep (see
 # "Many sequences" above for why these figures).
 AUTO_MAX_PARALLEL = 8
-MAX_PARALLEL = 256  # as LoadConfig allows
 AUTO_MIN_CONTEXT = 2048
 
 # A fresh `python -c "import edgeinfer"` (Python, numpy, psutil, edgeinfer): used when
@@ -214,18 +214,6 @@ def _draft_sizing(
         return None
     costs = costs_for(draft)
     return _Sizing(costs, draft, _fixed_terms(draft, costs, limit, source, 0, threads, None))
-
-
-def check_parallel(parallel: object, *, auto: bool = True) -> int:
-    """``parallel`` as a slot count (1 to ``MAX_PARALLEL``); InvalidRequestError otherwise."""
-    if isinstance(parallel, int) and not isinstance(parallel, bool):
-        if 1 <= parallel <= MAX_PARALLEL:
-            return parallel
-    hint = " or 'auto' (the most slots the memory budget allows)" if auto else ""
-    raise InvalidRequestError(
-        f"parallel={parallel!r} is invalid: expected an integer from 1 to {MAX_PARALLEL} (the "
-        f"sequences generated at once){hint}"
-    )
 
 
 def _fixed_terms(

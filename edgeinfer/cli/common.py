@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import KV_DTYPES as LOAD_KV_DTYPES
+from ..config import MAX_PARALLEL
 from ..errors import EdgeInferError, InvalidRequestError, short_repr
 
 logger = logging.getLogger(__name__)
@@ -208,9 +209,6 @@ def load_model(args: argparse.Namespace, parallel: int | str = 1) -> Any:
     from ..loader import load
 
     return load(args.model, **load_options(args, parallel))
-
-
-MAX_PARALLEL = 256  # LoadConfig's bound on sequence slots
 
 
 def parse_parallel(value: str | int) -> int | str:
