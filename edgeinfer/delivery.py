@@ -8,9 +8,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .generation import Chunk, SequenceState
 from .sampling import Sampler
@@ -19,7 +19,14 @@ from .speculative import Speculation
 if TYPE_CHECKING:
     from .runtimes.base import SlotBackend
 
-__all__ = ["Submitted", "consume", "delivered", "merged_cancelled", "never_started"]
+__all__ = [
+    "Submitted",
+    "Task",
+    "consume",
+    "delivered",
+    "merged_cancelled",
+    "never_started",
+]
 
 _POLL_S = 0.1  # how often a waiting consumer looks up from its queue (for signals)
 
@@ -82,3 +89,32 @@ def never_started(backend: SlotBackend, request: Submitted) -> Chunk:
     seq.t_start = seq.t_first = seq.t_last = time.perf_counter()
     seq.reused = len(request.ids)  # nothing was read: no prefill rate
     return seq.last_chunk("", "cancelled")
+
+
+class Task:
+    """Work handed to the loop's thread (``Engine.call``), and its result or error for the
+    caller, who waits for it."""
+
+    def __init__(self, work: Callable[[], Any]) -> None:
+        self._work = work
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._value = self._work()
+        except BaseException as exc:  # the caller gets it, the loop goes on
+            self._error = exc
+        self._done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._done.set()
+
+    def result(self) -> Any:
+        while not self._done.wait(_POLL_S):  # woken now and then, so signals are handled
+            pass
+        if self._error is not None:
+            raise self._error
+        return self._value

@@ -14,11 +14,11 @@ Callers (threads, the server, a batch job) submit requests; each step the loop
 
 and hands each slot's logits to its own ``SequenceState`` (sampler, grammar matcher, stop
 strings, detokenizer), whose chunks go to that request's queue. Cancelling one sequence
-leaves the others running.
+leaves the others running. Work that must not meet a pass (a snapshot of a slot) runs
+between two steps (``Engine.call``).
 
 This is the only generation loop. At ``parallel=1`` the model has one slot and no engine
 thread: the caller's thread steps the same loop (``Engine.run``) in its turn on the model.
-
 Speculative decoding (``edgeinfer.speculative``): a slot that decodes alone drafts tokens
 and reads its pending token and the drafts in one pass (``forward``); its sequence state
 steps over those rows while the sampler picks each draft itself, and the rejected entries
@@ -33,17 +33,16 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from .delivery import Submitted, consume, delivered, merged_cancelled, never_started
-from .errors import EdgeInferError, ModelBusyError
-from .generation import REUSE_GRANULE, Chunk, KVHistory, SequenceState, shared_prefix
+from .delivery import Submitted, Task, consume, delivered, merged_cancelled, never_started
+from .errors import EdgeInferError, InvalidRequestError, ModelBusyError
+from .generation import REUSE_GRANULE, Chunk, KVHistory, SequenceState
 from .sampling import Sampler
-from .slots import OneSlot, SlotView, slide
+from .slots import OneSlot, Slot, SlotView, rewind_quietly, slide, slot_for, submitted
 from .speculative import Speculation, draft, drop_unkept, feed
 
 if TYPE_CHECKING:
@@ -52,24 +51,9 @@ if TYPE_CHECKING:
 __all__ = ["Engine"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_PREFILL_CHUNK = 64  # prompt tokens read per step while other sequences decode
-
-
-@dataclass(eq=False)
-class _Slot:
-    view: SlotView
-    history: KVHistory = field(default_factory=KVHistory)
-    request: Submitted | None = None
-    seq: SequenceState | None = None
-    pending: list[int] = field(default_factory=list)  # prompt tokens not read yet
-    done: int = 0  # prompt tokens in the cache
-    token: int | None = None  # the sampled token the next decode step appends
-    remember: int | None = None  # prompt tokens read, for the prompt cache's copy to come
-
-    def free(self) -> None:
-        self.request = self.seq = self.token = self.remember = None
-        self.pending = []
 
 
 class Engine:
@@ -89,12 +73,14 @@ class Engine:
         slotted: SlotBackend = backend if hasattr(backend, "n_slots") else OneSlot(backend)  # type: ignore[assignment,arg-type]
         self._backend = slotted
         self._disk = disk  # a prompt cache (edgeinfer.state.attached): prefixes from disk
-        self._slots = [_Slot(SlotView(slotted, s)) for s in range(slotted.n_slots)]
+        self._slots = [Slot(SlotView(slotted, s)) for s in range(slotted.n_slots)]
         if history is not None:  # slot 0's KV history is its owner's (save_state, score)
             self._slots[0].history = history
         self._chunk = max(REUSE_GRANULE, prefill_chunk - prefill_chunk % REUSE_GRANULE)
         self._max_step = max_step_tokens or slotted.n_slots + self._chunk
         self._waiting: deque[Submitted] = deque()
+        self._tasks: deque[Task] = deque()  # work for the loop's thread between steps
+        self._last: Slot | None = None  # the slot whose request ended last
         self._cond = threading.Condition()
         self._stopping = False
         self.threaded = threaded
@@ -184,6 +170,37 @@ class Engine:
                 with self._cond:
                     slot.free()
 
+    def call(self, work: Callable[[], T]) -> T:
+        """``work()`` run by the loop between two steps (at once, in this thread, for an
+        engine without one: its caller holds the model's turn); its result or its error."""
+        if not self.threaded:
+            return work()
+        task = Task(work)
+        with self._cond:
+            if self._stopping:
+                raise EdgeInferError("the model is closed; load it again")
+            self._tasks.append(task)
+            self._cond.notify_all()
+        return task.result()
+
+    def on_slot(self, work: Callable[[int, KVHistory], T], what: str, *, free: bool) -> T:
+        """``work(slot, history)`` between steps, on the slot whose request ended last (the
+        model's current sequence at parallel > 1) or, with ``free``, on the lowest free slot,
+        which then becomes it (a later prompt that starts with its tokens reuses them)."""
+
+        def task() -> T:
+            if free:
+                self._last = next((s for s in self._slots if s.request is None), None)
+            elif self._last is None or not self._last.history.tokens:
+                raise InvalidRequestError(f"{what}: the model holds no sequence; generate first")
+            slot = self._last
+            if slot is None or slot.request is not None:
+                raise ModelBusyError(f"{what}: the slot it needs serves a request now; try "
+                                     "again once a request ends")  # fmt: skip
+            return work(slot.view.slot, slot.history)
+
+        return self.call(task)
+
     @property
     def activity(self) -> dict[str, int]:
         with self._cond:
@@ -210,11 +227,16 @@ class Engine:
                 while (
                     not self._stopping
                     and not self._waiting
+                    and not self._tasks
                     and self._free_slots() == len(self._slots)
                 ):
                     self._cond.wait()
                 if self._stopping:
                     break
+                tasks, self._tasks = list(self._tasks), deque()
+            for task in tasks:  # between steps: no slot's cache is in the middle of a pass
+                task.run()
+            with self._cond:
                 admitted = self._admit()
             for slot in admitted:
                 self._start(slot)
@@ -225,7 +247,7 @@ class Engine:
                 self._fail_running(exc)
         self._shutdown()
 
-    def _admit(self) -> list[_Slot]:
+    def _admit(self) -> list[Slot]:
         """Move waiting requests into free slots (the caller holds the condition)."""
         admitted = []
         while self._waiting:
@@ -233,12 +255,12 @@ class Engine:
             if not free:
                 break
             request = self._waiting.popleft()
-            slot = _slot_for(free, request.ids)
+            slot = slot_for(free, request.ids)
             slot.request = request
             admitted.append(slot)
         return admitted
 
-    def _start(self, slot: _Slot) -> None:
+    def _start(self, slot: Slot) -> None:
         """Set up a just-admitted slot: its sequence state and the prompt left to read."""
         request = slot.request
         assert request is not None
@@ -285,10 +307,10 @@ class Engine:
                 prefilling = [slot for slot in self._slots if slot.pending]
             if not prefilling or (budget is not None and budget < REUSE_GRANULE):
                 return
-            slot = min(prefilling, key=_submitted)
+            slot = min(prefilling, key=submitted)
             budget = self._prefill(slot, budget)
 
-    def _decode(self, decoding: list[_Slot]) -> None:
+    def _decode(self, decoding: list[Slot]) -> None:
         assert all(slot.token is not None for slot in decoding)
         if len(decoding) == 1 and self._drafts_alone(decoding[0]):
             self._verify(decoding[0])
@@ -302,7 +324,7 @@ class Engine:
             slot.history.tokens.append(steps[i][1])
             self._advance(slot, rows[i])
 
-    def _drafts_alone(self, slot: _Slot) -> bool:
+    def _drafts_alone(self, slot: Slot) -> bool:
         """Whether ``slot`` speculates this step: it asked to, and it is the only sequence
         running or waiting (a draft's longer pass would slow every other stream's step)."""
         request = slot.request
@@ -310,7 +332,7 @@ class Engine:
             return False
         return all(other is slot or other.request is None for other in self._slots)
 
-    def _verify(self, slot: _Slot) -> None:
+    def _verify(self, slot: Slot) -> None:
         """One step of a slot that speculates: read its pending token and the tokens drafted
         after it in one pass, keep the drafts its sampler picks itself (each row's token, up
         to the first that differs from the draft, which is the target's own), rewind the
@@ -340,7 +362,7 @@ class Engine:
             spec.budget.record(checked, kept)
             drop_unkept(slot.view, history)  # type: ignore[arg-type]
 
-    def _prefill(self, slot: _Slot, budget: int | None) -> int | None:
+    def _prefill(self, slot: Slot, budget: int | None) -> int | None:
         """Read the next chunk of ``slot``'s prompt (all of it when ``budget`` is None, else
         at most ``budget`` tokens, ending at a multiple of ``REUSE_GRANULE``); once it is all
         read, take the first token. Returns the budget left."""
@@ -375,14 +397,14 @@ class Engine:
                     self._disk.remember(request.ids, prefilled, slot.view.slot)
         return budget
 
-    def _remember(self, slot: _Slot) -> None:
+    def _remember(self, slot: Slot) -> None:
         """The prompt cache's copy of a slot that holds exactly its prompt (before the slot's
         first decode)."""
         request, prefilled, slot.remember = slot.request, slot.remember, None
         assert request is not None and prefilled is not None and self._disk is not None
         self._disk.remember(request.ids, prefilled, slot.view.slot)
 
-    def _advance(self, slot: _Slot, logits: np.ndarray) -> bool:
+    def _advance(self, slot: Slot, logits: np.ndarray) -> bool:
         """Hand one position's logits to the slot's sequence; deliver what it makes. Whether
         the sequence goes on (its next token pending in ``slot.token``)."""
         seq, request = slot.seq, slot.request
@@ -405,12 +427,12 @@ class Engine:
         slot.token = step.token
         return True
 
-    def _must_slide(self, slot: _Slot) -> bool:
+    def _must_slide(self, slot: Slot) -> bool:
         request = slot.request
         full = len(slot.history.tokens) + 1 >= self._backend.n_ctx
         return full and request is not None and request.slide_keep is not None
 
-    def _slide(self, slot: _Slot) -> None:
+    def _slide(self, slot: Slot) -> None:
         request = slot.request
         assert request is not None and request.slide_keep is not None and slot.token is not None
         try:
@@ -421,18 +443,20 @@ class Engine:
             return
         self._advance(slot, logits)
 
-    def _finish_cancelled(self, slot: _Slot) -> None:
+    def _finish_cancelled(self, slot: Slot) -> None:
         seq = slot.seq
         assert seq is not None
         if not seq.t_first:
             seq.t_first = seq.t_last = time.perf_counter()
         self._end(slot, seq.last_chunk("", "cancelled"))
 
-    def _end(self, slot: _Slot, last: Chunk | BaseException) -> None:
+    def _end(self, slot: Slot, last: Chunk | BaseException) -> None:
         """Deliver the request's last item and free its slot."""
         request = slot.request
         assert request is not None
         request.out.put(last)
+        if not isinstance(last, BaseException):
+            self._last = slot
         with self._cond:
             slot.free()
 
@@ -440,11 +464,11 @@ class Engine:
         """After a failed forward pass no slot's cache can be trusted: end them all."""
         for slot in self._slots:
             slot.history.clear()
-            _rewind_quietly(slot.view)
+            rewind_quietly(slot.view)
             if slot.request is not None:
                 self._end(slot, exc)
 
-    def _keep_valid(self, slot: _Slot) -> None:
+    def _keep_valid(self, slot: Slot) -> None:
         """After a pass over this slot alone failed or was interrupted (a signal is raised
         once the engine's call has returned): entries past its history are dropped and the
         history is kept, so the next request still reuses its prefix; if even that fails,
@@ -454,7 +478,7 @@ class Engine:
         except Exception:
             logger.debug("could not rewind slot %d", slot.view.slot, exc_info=True)
             slot.history.clear()
-            _rewind_quietly(slot.view)
+            rewind_quietly(slot.view)
 
     def _shutdown(self) -> None:
         closed = EdgeInferError("the model was closed before this request ran; load it again")
@@ -463,26 +487,8 @@ class Engine:
                 self._finish_cancelled(slot)
         with self._cond:
             waiting, self._waiting = list(self._waiting), deque()
+            tasks, self._tasks = list(self._tasks), deque()
         for request in waiting:
             request.out.put(closed)
-
-
-def _submitted(slot: _Slot) -> float:
-    return slot.request.t_submit if slot.request is not None else 0.0
-
-
-def _slot_for(free: list[_Slot], ids: list[int]) -> _Slot:
-    """The free slot whose cache holds the longest reusable prefix of ``ids``; without one,
-    the lowest free slot, so busy slots stay neighbours (backends run a step over a span of
-    rows: llama.cpp splits it at every gap, the ONNX graph pads the gaps)."""
-    best = max(free, key=lambda s: shared_prefix(s.history.tokens, ids))
-    if shared_prefix(best.history.tokens, ids) >= REUSE_GRANULE:
-        return best
-    return free[0]
-
-
-def _rewind_quietly(view: SlotView) -> None:
-    try:
-        view.rewind(0)
-    except Exception:  # the engine is already failing; the slot is reset on its next use
-        logger.debug("could not rewind slot %d", view.slot, exc_info=True)
+        for task in tasks:
+            task.fail(closed)

@@ -90,10 +90,8 @@ class Model:
         **sampling: Any,
     ) -> GenerationResult:
         """Generate a completion of ``prompt`` (text, or token ids) and return it whole.
-
-        Requests to one model run one at a time, in arrival order; ``wait=False`` raises
-        ``ModelBusyError`` instead of queueing behind a running request.
-        """
+        Requests take their turn in arrival order (at parallel=N, one of N slots);
+        ``wait=False`` raises ``ModelBusyError`` instead of waiting for one."""
         return self.stream(prompt, config, wait=wait, **sampling).collect()
 
     def stream(
@@ -104,11 +102,9 @@ class Model:
         wait: bool = True,
         **sampling: Any,
     ) -> TokenStream:
-        """Generate a completion of ``prompt`` as a stream of Chunks of complete text.
-
-        The request takes its turn on the model when iteration starts (``wait=False``: the
-        first ``next()`` raises ``ModelBusyError`` if another request is running).
-        """
+        """Generate a completion of ``prompt`` as a stream of Chunks of complete text. The
+        request takes its turn when iteration starts (``wait=False``: the first ``next()``
+        raises ``ModelBusyError`` if it would have to wait)."""
         ids = self._prompt_ids(prompt)
         cfg = SamplingConfig.from_kwargs(config, **sampling)
         return self._stream(ids, cfg, self._bos_len(), wait)
@@ -221,14 +217,12 @@ class Model:
         config: SamplingConfig | None = None,
         **sampling: Any,
     ) -> list[GenerationResult]:
-        """Run many requests as one batch; their results in input order.
-
-        Each request is a prompt (text or token ids) or a mapping with ``prompt`` or
-        ``messages`` (role/content dicts, through the chat template) and its own sampling
-        fields, which override ``config`` and ``**sampling``. Every request is checked before
-        any runs (an invalid one raises ``InvalidRequestError`` naming its index). With
-        ``load(..., parallel=N)`` up to N run at once, sharing each forward pass; at
-        ``parallel=1`` they run one after another.
+        """Run many requests as one batch; their results in input order. Each request is a
+        prompt (text or token ids) or a mapping with ``prompt`` or ``messages`` (role/content
+        dicts, through the chat template) and its own sampling fields, which override
+        ``config`` and ``**sampling``. Every request is checked before any runs (an invalid
+        one raises ``InvalidRequestError`` naming its index). With ``load(..., parallel=N)``
+        up to N run at once, sharing each forward pass; at ``parallel=1`` one after another.
         """
         self._require_open()
         if isinstance(requests, (str, bytes, Mapping)) or not isinstance(requests, Sequence):
@@ -395,16 +389,26 @@ class Model:
         """Write the current sequence (its tokens and KV cache) to ``path``, atomically, with
         a fingerprint of this model and its settings; the file's size in bytes. A later
         ``load_state`` (in any process) resumes it: a prompt that starts with those tokens is
-        not read again. ``SnapshotError`` if the file cannot be written."""
-        with self._turn("save_state (at parallel > 1: prompt_cache)"):
-            return session.save_state(self._seq_states(), self._backend, self._history, path)
+        not read again. ``SnapshotError`` if the file cannot be written. At parallel > 1 the
+        current sequence is the last request's to end."""
+        return self._snapshot(session.save_state, path, "save_state", free=False)
 
     def load_state(self, path: str | PathLike[str]) -> list[int]:
         """Make the sequence a snapshot ``save_state`` wrote; its tokens. A file that is not
         a snapshot of this model with these settings (another model, engine version, context,
-        a truncated or changed file) raises ``SnapshotError`` naming it."""
-        with self._turn("load_state (at parallel > 1: prompt_cache)"):
-            return session.load_state(self._seq_states(), self._backend, self._history, path)
+        a truncated or changed file) raises ``SnapshotError`` naming it. At parallel > 1 it
+        goes into a free slot, which a prompt that starts with its tokens then reuses."""
+        return self._snapshot(session.load_state, path, "load_state", free=True)
+
+    def _snapshot(self, op: Any, path: str | PathLike[str], what: str, *, free: bool) -> Any:
+        """``op`` on the model's sequence: in its turn, or between steps at parallel > 1."""
+        self._require_open()
+        self._states = self._states or SeqStates(self._backend, self._path)
+        run = partial(op, self._states, self._backend, path=path)
+        if self._engine.threaded:
+            return self._engine.on_slot(lambda s, h: run(history=h, slot=s), f"{what}()", free=free)
+        with self._turn(what):
+            return run(history=self._history)
 
     def score(
         self, prompt: Prompt, continuation: Prompt, *, top_logprobs: int = 0, rows: bool = False
@@ -429,10 +433,6 @@ class Model:
         with self._turns.turn(), self._open.lock:
             self._require_open()
             yield
-
-    def _seq_states(self) -> SeqStates:
-        self._states = self._states or SeqStates(self._backend, self._path)
-        return self._states
 
     def close(self) -> None:
         """Free the engine and its KV cache; calling it again does nothing. Open streams end

@@ -299,3 +299,34 @@ def test_a_float32_llama_cpp_cache_round_trips(tiny_llama_gguf: Path, tmp_path: 
     with _load(tiny_llama_gguf, kv_dtype="float32") as fresh_model:
         want, _ = _next_logits(fresh_model, second)
     assert reused == 96 and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("kind", ["llama-gguf", "llama-native-onnx"])
+def test_snapshots_at_parallel_2_hold_the_last_sequence(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """At parallel > 1 save_state writes the sequence of the last request to end (taken
+    between two engine steps) and load_state reads one into a free slot, which the next
+    prompt that starts with its tokens reuses: it answers as a fresh model does."""
+    model_path = request.getfixturevalue(_ENGINES[kind])
+    path = tmp_path / "p2.kvs"
+    with _load(model_path, parallel=2) as model:
+        first, second = _prompts(model)
+        with pytest.raises(edgeinfer.InvalidRequestError, match="no sequence"):
+            model.save_state(path)
+        model.generate(first, max_new_tokens=3, temperature=0)
+        assert model.save_state(path) == path.stat().st_size
+        stream = model.stream(second, max_new_tokens=64, temperature=0)
+        next(stream)  # the slot of the last sequence now serves this request
+        with pytest.raises(edgeinfer.ModelBusyError, match="serves a request"):
+            model.save_state(tmp_path / "busy.kvs")
+        stream.cancel()
+        stream.collect()
+    with _load(model_path, parallel=2) as restored:
+        tokens = restored.load_state(path)
+        assert tokens[: len(first)] == first  # the prompt and the tokens decoded after it
+        got = restored.generate(second, max_new_tokens=8, temperature=0)
+    with _load(model_path, parallel=2) as fresh_model:
+        want = fresh_model.generate(second, max_new_tokens=8, temperature=0)
+    assert got.stats.reused_prompt_tokens == 96 and want.stats.reused_prompt_tokens == 0
+    assert got.token_ids == want.token_ids
