@@ -339,6 +339,20 @@ def test_any_safetensors_file_is_read_consistently_or_refused(
             assert how != "none" and how != "junk"
 
 
+@pytest.mark.parametrize("shape", [[0, 2**61], [0, 2**40, 2**40], [2**47, 0, 4]])
+def test_an_empty_tensor_with_a_huge_dimension_is_refused_cleanly(
+    shape: list[int], tmp_path: Path
+) -> None:
+    """Zero elements, but a dimension numpy cannot hold: a ConversionError, not numpy's
+    ValueError (found by the property above: BF16 [0, 2**61])."""
+    header = json.dumps({"0": {"dtype": "BF16", "shape": shape, "data_offsets": [0, 0]}})
+    raw = header.encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(ConversionError, match="larger than any tensor"):
+        with open_checkpoint(tmp_path) as index:
+            index.read("0")
+
+
 def _check_consistent(index: Any, size: int, header: dict, payload: bytes, how: str) -> None:
     """Entries inside the file, sized by dtype x shape, not overlapping; an unchanged file
     reads back exactly what was written."""

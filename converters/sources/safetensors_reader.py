@@ -26,6 +26,9 @@ __all__ = ["SafetensorsIndex", "TensorEntry", "open_checkpoint", "read_safetenso
 
 _MAX_HEADER = 100 * 2**20  # bytes of JSON; real headers are well under 1 MB
 _MAX_RANK = 8
+# bytes a tensor's non-zero dimensions may span: numpy refuses (ValueError, not a clean
+# error) any shape whose size overflows, even when another dimension is 0
+_MAX_SPAN = 1 << 48
 # every safetensors dtype -> bytes per element (headers are checked for all of them)
 _ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
              "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
@@ -241,6 +244,8 @@ def _entry(path: Path, name: str, info: Any, base: int, size: int) -> TensorEntr
         raise ConversionError(f"{where} has dtype {dtype!r:.40}, not a safetensors dtype")
     if not (isinstance(shape, list) and len(shape) <= _MAX_RANK and all(map(_is_size, shape))):
         raise ConversionError(f"{where} has shape {shape!r:.80}, not a list of sizes")
+    if math.prod(d for d in shape if d) * _ITEMSIZE[dtype] > _MAX_SPAN:
+        raise ConversionError(f"{where} has shape {shape!r:.80}, larger than any tensor can be")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_size, offsets))):
         raise ConversionError(f"{where} has data_offsets {offsets!r:.80}, not [start, end]")
     start, end = offsets
