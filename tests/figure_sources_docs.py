@@ -12,6 +12,7 @@ from tests.figure_values import (
 )
 from tests.figures import (
     Spec,
+    Src,
     bare,
     frac_pct,
     gb_bytes,
@@ -46,6 +47,8 @@ INT4 = results("int4_route.json")
 CONVERT = results("gguf_convert.json")
 QUANTS = results("gguf_quants.json")
 ONE_LOOP = results("one_loop.json")
+SPECULATIVE = results("speculative.json")
+SPEC_TASKS = ("summarize", "extract", "rewrite", "edit", "chat")
 
 A_SETTING = "a setting"
 
@@ -147,7 +150,40 @@ def _one_loop_route(route: str) -> list:
     ]
 
 
+def _spec_ratio(route: str, task: str, setting: str) -> Src:
+    return times(SPECULATIVE("summary", route, f"{task}/{setting}", "decode_ratio_median"))
+
+
+A_TARGET = "a target of the speculative-decoding issue"
+
 DOCS_SPECS: list[Spec] = [
+    spec(
+        "docs/speculative.md",
+        "The default model, 10 prompts for each of five tasks",
+        tps(SPECULATIVE("summary", "gguf", "plain_decode_tok_s_median")),
+        tps(SPECULATIVE("summary", "onnx", "plain_decode_tok_s_median")),
+    ),
+    spec(
+        "docs/speculative.md",
+        "| task | llama.cpp `lookup` | llama.cpp `auto` |",
+        *[
+            _spec_ratio(route, task, setting)
+            for task in SPEC_TASKS
+            for route in ("gguf", "onnx")
+            for setting in ("lookup", "auto")
+        ],
+    ),
+    spec(
+        "docs/speculative.md",
+        "`auto` never costs more than the run-to-run noise",
+        _spec_ratio("gguf", "chat", "auto"),
+        _spec_ratio("onnx", "chat", "auto"),
+        given("0.97x", A_TARGET),
+        _spec_ratio("onnx", "rewrite", "lookup"),
+        given("2x", A_TARGET),
+        _spec_ratio("onnx", "extract", "auto"),
+        given("1.5x", A_TARGET),
+    ),
     spec(
         "docs/performance.md",
         "There is one generation loop: the slot engine",
