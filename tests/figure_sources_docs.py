@@ -49,6 +49,7 @@ QUANTS = results("gguf_quants.json")
 ONE_LOOP = results("one_loop.json")
 SPECULATIVE = results("speculative.json")
 SPEC_TASKS = ("summarize", "extract", "rewrite", "edit", "chat")
+PEER = results("llama_cpp_speculative.json")
 
 A_SETTING = "a setting"
 
@@ -156,7 +157,29 @@ def _spec_ratio(route: str, task: str, setting: str) -> Src:
 
 A_TARGET = "a target of the speculative-decoding issue"
 
+
+def _peer_row(task: str) -> list[Src]:
+    """edgeinfer plain and auto, the peer's ngram-simple, and auto over it, of one task."""
+    row = under(PEER, "summary", task)
+    return [
+        tps(row("edgeinfer off")),
+        tps(row("edgeinfer auto")),
+        tps(row("llama.cpp ngram-simple")),
+        times(row("auto / ngram-simple")),
+    ]
+
+
 DOCS_SPECS: list[Spec] = [
+    spec(
+        "docs/speculative.md",
+        "| task | edgeinfer plain | edgeinfer `auto` |",
+        *[f for task in SPEC_TASKS for f in _peer_row(task)],
+    ),
+    spec(
+        "docs/speculative.md",
+        "on the same task and file: met on",
+        given("1.2x", A_TARGET),
+    ),
     spec(
         "docs/speculative.md",
         "The default model, 10 prompts for each of five tasks",
