@@ -249,3 +249,19 @@ def _sampler(model: Model, ids: list[int], n: int) -> object:
     from edgeinfer.generation import check_request
 
     return check_request(model._backend, ids, _greedy(n))  # type: ignore[arg-type]
+
+
+def test_a_request_cancelled_before_it_begins_ends_cancelled_without_touching_the_engine() -> None:
+    """A stream begun while the model is being closed (its cancel already set) ends
+    "cancelled" at once; the engine is not touched, so a closing backend is safe."""
+    backend = CopyingBackend()
+    loop = engine_module.Engine(backend, threaded=False)
+    model = one_slot()
+    ids = model.tokenize(PROMPTS[0])
+    cancel = threading.Event()
+    cancel.set()
+    loop.close()  # closing: a request that had passed its check still begins
+    chunks = list(loop.run(ids, _sampler(model, ids, 8), cancel))  # type: ignore[arg-type]
+    assert [c.finish_reason for c in chunks] == ["cancelled"]
+    assert chunks[0].stats is not None and chunks[0].stats.prefill_tokens_per_s == 0
+    assert backend.passes == 0
