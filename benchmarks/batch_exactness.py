@@ -34,6 +34,9 @@ from edgeinfer import catalog
 from edgeinfer.bench.workload import end_of_generation_ids, prompt_ids
 from edgeinfer.inventory import devices
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import conditions
+
 LENGTHS = (12, 37, 64, 91, 130, 171, 240, 333)  # tokens of the eight prompts
 BATCHES = (1, 2, 4, 8)
 NEW_TOKENS = 64
@@ -92,7 +95,7 @@ def batched(target: str, options: dict[str, Any]) -> tuple[dict[int, list], dict
 
 def _info(model: Any) -> dict[str, Any]:
     info = model.info
-    keep = ("provider", "device", "format", "context_length", "parallel", "route")
+    keep = ("provider", "device", "format", "context_length", "parallel", "route", "lone_steps")
     return {k: info.get(k) for k in keep}
 
 
@@ -153,6 +156,8 @@ def main() -> int:
     parser.add_argument("--routes", default="llama.cpp,onnxruntime", help="which routes to measure")
     args = parser.parse_args()
     gguf = str(catalog.fetch(catalog.DEFAULT_MODEL))
+    # token ids, not times, are measured: no wait for a quiet machine, but its load is kept
+    cond = conditions.start(THREADS, 1, wait=False)
     base = {"context_length": CONTEXT, "threads": THREADS}
     targets = {
         "llama.cpp": (gguf, {**base, "engine": "llama.cpp"}),
@@ -183,6 +188,7 @@ def main() -> int:
             "sampling": "greedy, end of generation banned",
         },
         "results": results,
+        "conditions": conditions.finish(cond),
     }
     kept = earlier_results(args.output, {r["route"] for r in results})
     record["results"] = kept + results

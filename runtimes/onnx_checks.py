@@ -16,6 +16,7 @@ __all__ = [
     "check_rotary",
     "check_shared_context",
     "check_slots",
+    "fixed_batch",
     "past_names",
     "returns_last_position_only",
 ]
@@ -67,11 +68,9 @@ def check_slots(session: Any, n_slots: int, shared: bool) -> None:
             "past_present_share_buffer is false) — load it with parallel=1, or use a folder "
             "converted by edgeinfer"
         )
-    inputs = [v for v in session.get_inputs() if v.name != LOGITS_TO_KEEP]  # one count for all
-    values = [*inputs, *session.get_outputs()]
-    fixed = [(v.name, _batch_dim(v)) for v in values if _batch_dim(v) is not None]
+    fixed = fixed_batch(session)
     if fixed:
-        name, batch = fixed[0]
+        name, batch = fixed
         raise ModelLoadError(
             f"parallel={n_slots} needs a graph with a batch axis, but its {name} has a fixed "
             f"batch of {batch} (a graph built for one sequence at a time, as older edgeinfer "
@@ -79,6 +78,17 @@ def check_slots(session: Any, n_slots: int, shared: bool) -> None:
             "model's transcode is rebuilt when its folder under $EDGEINFER_HOME/derived is "
             "deleted), or load it with parallel=1"
         )
+
+
+def fixed_batch(session: Any) -> tuple[str, int] | None:
+    """The first input or output whose batch axis the graph fixes, and its size; None when
+    every one has a batch axis (the graph runs several rows in one step)."""
+    inputs = [v for v in session.get_inputs() if v.name != LOGITS_TO_KEEP]  # one count for all
+    for value in [*inputs, *session.get_outputs()]:
+        batch = _batch_dim(value)
+        if batch is not None:
+            return value.name, batch
+    return None
 
 
 def _batch_dim(value: Any) -> int | None:

@@ -6,6 +6,12 @@ from the lowest listed slot to the highest as one [n, ...] tensor, past and pres
 memory, so GroupQueryAttention reads and writes each row in place at the length its mask row
 gives it (``seqlens_k``; the rotary positions follow from it too).
 
+A step never carries one row alone: onnxruntime's 4-bit ``MatMulNBits`` computes a one-row
+product with another kernel on some CPUs (AVX2: a dedicated M=1 kernel) than a product of two or
+more rows, whose rows agree bit for bit whatever their number. So a lone slot's step spans one
+more row (the next slot's, or a spare row past the last slot that no sequence uses), and a
+sequence gives the same tokens alone as beside any others.
+
 Rows inside that span whose slots are not in the step (idle rows) ride along as padding: each
 gets one token at position 0 (mask row [1, 0, ...]), so it attends to itself only and writes
 only its entry 0, which is saved before the run and put back after (unless the slot is empty).
@@ -79,9 +85,17 @@ class Step:
     order: list[int] | None  # output row of steps[i]; None when it is i
 
 
-def plan_step(steps: Sequence[tuple[int, int]], pasts: list[int], n_ctx: int, n_vocab: int) -> Step:
+def plan_step(
+    steps: Sequence[tuple[int, int]],
+    pasts: list[int],
+    n_ctx: int,
+    n_vocab: int,
+    rows: int | None = None,
+) -> Step:
     """The batched step appending token t to slot s for each (s, t) in ``steps``; every
-    request is checked before anything runs (InvalidRequestError)."""
+    request is checked before anything runs (InvalidRequestError). ``rows``: the cache's rows
+    when it has more than the slots (a spare row past them): the step then spans at least
+    two rows."""
     if len(steps) == 0:
         raise InvalidRequestError("decode_many needs at least one (slot, token) step")
     tokens: dict[int, int] = {}
@@ -92,6 +106,9 @@ def plan_step(steps: Sequence[tuple[int, int]], pasts: list[int], n_ctx: int, n_
             raise InvalidRequestError(f"slot {slot} is listed twice in one decode_many step")
         (tokens[slot],) = check_fits([token], pasts[slot], n_ctx)
     first, last = min(tokens), max(tokens)
+    if rows is not None and first == last:
+        last = first + 1 if first + 1 < rows else first - 1  # never one row alone
+        first, last = min(first, last), max(first, last)
     n = last - first + 1
     ids = np.zeros((n, 1), np.int64)
     positions = np.zeros((n, 1), np.int64)
@@ -100,8 +117,8 @@ def plan_step(steps: Sequence[tuple[int, int]], pasts: list[int], n_ctx: int, n_
         positions[slot - first, 0] = pasts[slot]
     lengths = positions[:, 0] + 1  # idle rows: one token at position 0
     mask = (np.arange(int(lengths.max()))[None, :] < lengths[:, None]).astype(np.int64)
-    idle = [r for r in range(first, last + 1) if r not in tokens and pasts[r] > 0]
-    order = [s - first for s, _ in steps]
+    idle = [r for r in range(first, last + 1) if r not in tokens and r < len(pasts) and pasts[r]]
+    order = [s - first for s, _ in steps]  # the rows asked for, in their order
     return Step(
         row=first,
         ids=ids,

@@ -38,11 +38,12 @@ from .onnx_checks import (
     check_rotary,
     check_shared_context,
     check_slots,
+    fixed_batch,
     past_names,
     returns_last_position_only,
 )
 from .onnx_external import GraphFacts, read_graph_facts
-from .onnx_slots import SlotCache, plan_step
+from .onnx_slots import SlotCache, Step, plan_step
 from .onnx_state import OnnxKVState
 from .tokenizer_json import JsonTokenizer
 
@@ -112,6 +113,8 @@ class OrtBackend:
         self._shared = arch.kv_cache == "shared"
         self._n_slots = config.parallel
         check_slots(self._session, self._n_slots, self._shared)
+        # a spare cache row, so that a lone sequence's step still carries two rows (onnx_slots)
+        self._rows = self._n_slots + 1 if self._shared and not fixed_batch(self._session) else None
         if self._shared:
             check_shared_context(self._n_ctx, arch)
         # graphs that take num_logits_to_keep (the native builder's) compute one position's
@@ -121,7 +124,7 @@ class OrtBackend:
         self._last_only = self._counted or returns_last_position_only(self._session)
         self._binding = self._session.io_binding()
         # one logits row per slot: a one-token run (or a batched step) writes its rows here
-        self._logits = np.empty((self._n_slots, 1, arch.vocab_size), dtype=np.float32)
+        self._logits = np.empty((self._rows or self._n_slots, 1, arch.vocab_size), np.float32)
         # (first row, rows) the cache and logits are bound for; None: bound for nothing
         self._bound: tuple[int, int] | None = None
         self._cache = self._slot_cache() if self._shared else None
@@ -140,12 +143,35 @@ class OrtBackend:
             "quantization": manifest.quantization.get("method", "unknown"),
             "kv_dtype": arch.kv_dtype,
         }
+        self._pair_lone_rows()
+
+    def _pair_lone_rows(self) -> None:
+        """Whether a lone sequence's step must carry a second row (``onnx_slots``): probed
+        once, on the empty cache. Where a one-row step computes as a row of a longer one
+        does, bit for bit, it runs alone (a second row has a price: benchmarks/lone_steps.py);
+        where it does not (onnxruntime's 4-bit kernels for one row differ on
+        some CPUs), every step pairs it, so a reply does not depend on what runs beside it."""
+        rows = self._rows
+        if rows is None:
+            return
+        probe, logits = [1, 2, 3, 4], []
+        try:
+            for self._rows in (None, rows):
+                self.rewind(0, 0)
+                self.prefill(probe[:2], 0)
+                logits.append([np.array(self.decode(t, 0)) for t in probe[2:]])
+        finally:
+            self.rewind(0, 0)
+        same = all(np.array_equal(a, b) for a, b in zip(*logits, strict=True))
+        self._rows = None if same else rows
+        self._info["lone_steps"] = "one row" if same else "paired with a spare row"
+        logger.debug("a lone sequence's step runs %s", self._info["lone_steps"])
 
     def _slot_cache(self) -> SlotCache:
         """One buffer per cache tensor, every slot's whole context, allocated once."""
         arch = self._arch
         row = (arch.num_kv_heads, self._n_ctx, arch.head_dim)
-        return SlotCache(self._past_names, self._n_slots, row, self._kv_type)
+        return SlotCache(self._past_names, self._rows or self._n_slots, row, self._kv_type)
 
     def _open_session(self, path: Path, candidate: Candidate) -> Any:
         ort = self._ort
@@ -268,14 +294,19 @@ class OrtBackend:
 
     def decode_many(self, steps: Sequence[tuple[int, int]]) -> np.ndarray:
         """One run over the rows of the listed slots (see ``onnx_slots``); [k, vocab]."""
-        step = plan_step(steps, self._slot_past, self._n_ctx, self._logits.shape[2])
-        if len(step.lengths) == 1:  # one slot: the one-token path and its standing bindings
+        step = plan_step(steps, self._slot_past, self._n_ctx, self._logits.shape[2], self._rows)
+        if len(step.lengths) == 1 and self._rows is None:  # a graph of one row per run
             (slot,) = step.lengths
             return self._run([int(step.ids[0, 0])], slot)[None, :]
+        return self._step(step)
+
+    def _step(self, step: Step) -> np.ndarray:
+        """One run of a planned step over rows of the shared cache; [k, vocab]."""
         self._alive()
-        assert self._cache is not None  # several slots: a shared cache (check_slots)
+        assert self._cache is not None  # several rows: a shared cache (check_slots)
         n = step.ids.shape[0]
-        self._bind_rows(step.row, n)
+        if self._bound != (step.row, n):  # bindings stand while the rows stay the same
+            self._bind_rows(step.row, n)
         saved = self._cache.save_first(step.saved_rows) if step.saved_rows else None
         try:
             positions = step.positions if self._has_position_ids else None
@@ -295,6 +326,11 @@ class OrtBackend:
     def _run(self, ids: list[int], slot: int, every: bool = False) -> np.ndarray:
         """One graph run over ``ids`` in ``slot``; returns the last position's logits [vocab]
         (``every``: all of them, [len(ids), vocab])."""
+        if len(ids) == 1 and self._rows is not None and not every:  # never one row alone
+            step = plan_step(
+                [(slot, ids[0])], self._slot_past, self._n_ctx, self._logits.shape[2], self._rows
+            )
+            return self._step(step)[0]
         self._alive()
         n, past = len(ids), self._slot_past[slot]
         total = past + n

@@ -7,9 +7,10 @@ same file, in the same run): greedy token ids must be equal.
 Both routes are batch-invariant on the tiny model: llama.cpp by construction (one KV stream
 per slot, per-row Q4_1/Q8_0 kernels), and the tiny ONNX graph measured so (a row of
 ``decode_many`` equals ``decode`` bit for bit, 1 and 2 threads, x86 AVX2). On the default
-model the ONNX route is not (README "Exactness": MatMulNBits computes a one-row product with
-another kernel); what holds there, rows of batches of two or more agreeing among themselves,
-is the last test (marked ``model``).
+model's ONNX route a one-row step may take another MatMulNBits kernel on some CPUs, and the
+backend then pairs lone steps with a spare row (tests/test_lone_rows.py; the default model
+alone and in batches: tests/test_batch_invariance.py); rows of batches of two or more agree
+among themselves whatever the CPU, the last test here (marked ``model``).
 
 The engine runs the real backend; a spy on the backend instance records each forward pass
 (and can hold the engine thread at one, so a state is reached without timing).

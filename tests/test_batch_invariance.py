@@ -1,0 +1,62 @@
+"""A request's greedy reply does not depend on what runs beside it, on either route of the
+default model: 16 prompts, each alone in a one-slot model and in batches of 1, 2, 4 and 8 on
+an eight-slot model of the same file, compared token id for token id.
+
+llama.cpp gives each slot its own KV stream and per-row kernels. On the ONNX route every step
+of two or more rows computes each row as a step of any other number of rows does; a lone
+sequence's step is one row where this CPU computes it the same way, else paired with a spare
+row (``runtimes/onnx_slots.py``, probed at load).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import edgeinfer
+from edgeinfer.catalog import DEFAULT_MODEL
+
+pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (the gguf extra)")
+pytest.importorskip("onnxruntime")
+
+PROMPTS = [
+    "Water boils at",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Hi",
+    "Write a haiku about the sea.",
+    "List three prime numbers:",
+    "Explain recursion in one sentence.",
+    "What is 17 times 3?",
+    "import numpy as np\n",
+    "Dear customer, your order",
+    "The three primary colours are",
+    "SELECT name FROM users WHERE",
+    "In 1969, the first person to walk on the moon was",
+    "A haiku about autumn leaves:\n",
+    "Translate to French: good morning",
+    "Once upon a time, in a small village,",
+]
+NEW = 32  # greedy tokens per reply, the end of generation banned: every reply runs them all
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("engine", ["llama.cpp", "onnxruntime"])
+def test_default_model_replies_are_the_same_alone_and_in_any_batch(engine: str) -> None:
+    options: dict[str, Any] = {"engine": engine, "threads": 2, "context_length": 256}
+    with edgeinfer.load(DEFAULT_MODEL, parallel=1, **options) as one:
+        assert one.info["backend"] == engine
+        vocab = one.info["vocab_size"]
+        end = {t: -100.0 for t in range(vocab) if one.is_end_token(t)}
+        greedy = {"temperature": 0, "max_new_tokens": NEW, "logit_bias": end}
+        alone = [one.generate(p, **greedy).token_ids for p in PROMPTS]
+    assert all(len(ids) == NEW for ids in alone)
+    with edgeinfer.load(DEFAULT_MODEL, parallel=8, **options) as many:
+        for size in (1, 2, 4, 8):
+            got = []
+            for start in range(0, len(PROMPTS), size):
+                results = many.generate_many(PROMPTS[start : start + size], **greedy)
+                got += [r.token_ids for r in results]
+            differ = [p for p, a, b in zip(PROMPTS, alone, got, strict=True) if a != b]
+            assert not differ, f"{engine}, batches of {size}: {differ}"
