@@ -395,3 +395,60 @@ DOCS_SPECS: list[Spec] = [
         *(_quant_row(i) for i in range(3)),
     ),
 ]
+
+TRANSCODE = results("transcode_memory.json")
+_TRANSCODE_ROWS = ((0, "keep"), (0, "keep_before"), (1, "keep"), (1, "keep_before"))
+
+
+def _transcode_row(source: int, run: str) -> list:
+    r = under(TRANSCODE, "sources", source, run)
+    return [
+        gb_bytes(r("source_bytes")),
+        gb_bytes(r("folder_bytes")),
+        times(r("folder_ratio")),
+        gb_bytes(r("peak_rss")),
+        times(r("peak_rss_ratio")),
+        sec(r("seconds")),
+    ]
+
+
+def _alternative_row(source: int, run: str) -> list:
+    r = under(TRANSCODE, "sources", source, run)
+    return [
+        times(r("folder_ratio")),
+        frac_pct(r("agreement_with_keep", "top1_agreement")),
+        bare(r("agreement_with_keep", "max_abs_logit_diff")),
+    ]
+
+
+_TRANSCODE_LOADS = each(
+    TRANSCODE("conditions", "load_before", 0), TRANSCODE("conditions", "load_after", 0)
+)
+_ARITHMETIC = "a block layout's bytes divided by the GGUF block's (gguf_blocks' table)"
+DOCS_SPECS += [
+    spec(
+        CONV,
+        "Both Qwen2.5-Coder Q4_K_M files, each conversion",
+        load(lo(_TRANSCODE_LOADS)),
+        load(hi(_TRANSCODE_LOADS)),
+    ),
+    spec(
+        CONV,
+        "| conversion | GGUF | folder | folder / GGUF | peak RSS |",
+        *(_transcode_row(i, run) for i, run in _TRANSCODE_ROWS),
+    ),
+    spec(
+        CONV,
+        "The memory target (peak at most 1.5x the file)",
+        given("1.5x", "the issue's target"),
+        given("1.1x", "the issue's target"),
+        given("1.33x", _ARITHMETIC),
+        given("1.52x", _ARITHMETIC),
+        given("1.64x", _ARITHMETIC),
+    ),
+    spec(
+        CONV,
+        "| conversion | folder / GGUF | top-1 agreement with `keep` |",
+        *(_alternative_row(i, run) for i in (0, 1) for run in ("int4-head8", "int4")),
+    ),
+]

@@ -62,7 +62,7 @@ def build_onnx_from_gguf(
     with contextlib.ExitStack() as stack:
         header, tensors = _open_source(stack, src, progress)
         progress.total = len(header.tensors)
-        data = stack.enter_context(open(out / _DATA_FILE, "wb"))
+        data = stack.enter_context(open(out / _DATA_FILE, "w+b"))  # a tied head reads back
         return _build(header, tensors, out, data, chosen, max_context, kv_dtype)
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["OFFSET_BLOCK", "TRANSCODABLE", "NBitsWeight", "transcode"]
+__all__ = ["FORMS", "OFFSET_BLOCK", "TRANSCODABLE", "BlockForm", "NBitsWeight", "transcode"]
 
 OFFSET_BLOCK = 32  # the offset term's block width along K, for every type that has one
 
@@ -57,6 +57,34 @@ _BLOCKS = {
     Q6_K: (QK_K, 210),
 }
 TRANSCODABLE = frozenset(_BLOCKS)
+
+
+@dataclass(frozen=True)
+class BlockForm:
+    """What a tensor becomes, known before a byte of it is read: MatMulNBits' width and
+    block size, and whether an offset term comes with it."""
+
+    bits: int
+    block_size: int
+    offset: bool = False
+
+    @property
+    def kernel(self) -> tuple[int, int]:
+        """(bits, block size): projections of one kernel share one MatMulNBits."""
+        return self.bits, self.block_size
+
+
+# type -> its form, the table above as data (``transcode`` returns weights of this form)
+FORMS = {
+    Q4_0: BlockForm(4, 32),
+    Q4_1: BlockForm(4, 32, offset=True),
+    Q5_0: BlockForm(8, 32),
+    Q5_1: BlockForm(8, 32, offset=True),
+    Q8_0: BlockForm(8, 32),
+    Q4_K: BlockForm(4, 32, offset=True),
+    Q5_K: BlockForm(8, 32, offset=True),
+    Q6_K: BlockForm(8, 16),
+}
 
 
 @dataclass(frozen=True)

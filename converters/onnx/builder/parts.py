@@ -13,13 +13,17 @@ from edgeinfer.gguf_file import TensorInfo
 from edgeinfer.runtimes.onnx_checks import LOGITS_TO_KEEP
 
 from .context import BuildContext
-from .gguf_blocks import Q4_0, Q8_0, NBitsWeight, transcode
-from .graph import Graph
-from .linear import linear, matmul_nbits, requantize
+from .gguf_blocks import FORMS, OFFSET_BLOCK, BlockForm
+from .graph import Graph, Region
+from .linear import block_form, block_sums, linear, matmul_nbits, weight_bands, write_blocks
+from .tensors import float_bands, spans
+
+_GATHERED = frozenset(FORMS)  # block types the embedding keeps as blocks
 
 __all__ = [
     "ACTIVATIONS",
     "Embedding",
+    "GatheredBlocks",
     "add_rms",
     "embedding",
     "head_rms",
@@ -65,49 +69,99 @@ def post_norm(b: BuildContext, y: str, name: str) -> str:
 
 
 @dataclass(frozen=True)
+class GatheredBlocks:
+    """The embedding's blocks as a tied output head reads them again: the packed weights are
+    the initializer ``token_embd.qweight``; its scales and offsets are read back from here."""
+
+    form: BlockForm
+    n: int  # vocabulary rows
+    k: int  # hidden
+    scales: Region  # [n, k / block_size]
+    offset: Region | None  # [n, k / 32, 1]
+
+
+@dataclass(frozen=True)
 class Embedding:
-    """The embedding's output and what a tied output head shares with it: the blocks (the
-    packed weights are the initializer ``token_embd.qweight``) or the float table."""
+    """The embedding's output and what a tied output head shares with it: the blocks or the
+    float table."""
 
     output: str
-    blocks: NBitsWeight | None
+    blocks: GatheredBlocks | None
     table: str | None
 
 
 def embedding(b: BuildContext) -> Embedding:
-    """Q8_0/Q4_0 blocks gathered as they are (GatherBlockQuantized, exact), re-rounded blocks
-    likewise; other types as a float table."""
+    """Block types gathered as they are (GatherBlockQuantized, plus a gathered offset per 32
+    for the types with a minimum: exact), re-rounded blocks likewise; other types as a float
+    table."""
     g, t = b.graph, b.need("token_embd.weight")
-    blocks = _embedding_blocks(b, t)
-    if blocks is None:
-        table = g.const("token_embd.weight", b.tensors.floats(t))
+    form = _embedding_form(b, t)
+    blocks, table = None, None
+    if form is None:
+        table = _float_table(b, t)
         x = g.node("Gather", [table, "input_ids"], axis=0)[0]
     else:
-        table = None
-        packed = g.const("token_embd.qweight", blocks.packed)
-        rows = g.node("Reshape", [packed, g.const("embd_rows", _int64([b.shape.vocab, -1]))])
-        x = g.node(
-            "GatherBlockQuantized",
-            [rows[0], "input_ids", g.const("token_embd.scales", blocks.scales)],
-            domain="com.microsoft",
-            gather_axis=0,
-            quantize_axis=1,
-            block_size=blocks.block_size,
-            bits=blocks.bits,
-        )[0]
+        blocks, x = _gathered(b, t, form)
     if b.arch.embedding_scale:
         scale = g.const("embd_scale", np.array(math.sqrt(b.shape.hidden), np.float32))
         x = g.node("Mul", [x, scale])[0]
     return Embedding(x, blocks, table)
 
 
-def _embedding_blocks(b: BuildContext, t: TensorInfo) -> NBitsWeight | None:
-    bits = b.quant.bits_for(t.name)
-    if bits is not None:
-        return requantize(b.tensors.floats(t), int(bits))
-    if b.quant.mode == "keep" and t.ggml_type in (Q8_0, Q4_0):
-        return transcode(t.ggml_type, b.tensors.raw(t), b.shape.vocab, b.shape.hidden)
+def _embedding_form(b: BuildContext, t: TensorInfo) -> BlockForm | None:
+    if b.quant.bits_for(t.name) is not None:
+        return block_form(b, t)
+    if b.quant.mode == "keep" and t.ggml_type in _GATHERED:
+        return block_form(b, t)
     return None
+
+
+def _float_table(b: BuildContext, t: TensorInfo) -> str:
+    table = b.graph.reserve("token_embd.weight", (b.shape.vocab, b.shape.hidden), np.float32)
+    for start, rows in float_bands(b.tensors, t):
+        table.write(start * b.shape.hidden, rows)
+    table.done()
+    return table.name
+
+
+def _gathered(b: BuildContext, t: TensorInfo, form: BlockForm) -> tuple[GatheredBlocks, str]:
+    """The embedding's blocks, gathered by ``input_ids``: (the blocks, the output)."""
+    g, n, k = b.graph, b.shape.vocab, b.shape.hidden
+    per_row, row_bytes = k // form.block_size, form.block_size * form.bits // 8
+    packed = g.reserve("token_embd.qweight", (n, per_row, row_bytes), np.uint8)
+    rows = g.node("Reshape", [packed.name, g.const("embd_rows", _int64([n, -1]))])
+    scales = g.reserve("token_embd.scales", (n, per_row), np.float32)
+    x = g.node(
+        "GatherBlockQuantized",
+        [rows[0], "input_ids", scales.name],
+        domain="com.microsoft",
+        gather_axis=0,
+        quantize_axis=1,
+        block_size=form.block_size,
+        bits=form.bits,
+    )[0]
+    offset = None
+    if form.offset:
+        offset = g.reserve("token_embd.offset", (n, k // OFFSET_BLOCK, 1), np.float32)
+        x = _plus_offsets(g, x, offset.name, k)
+    row = 0
+    for w in weight_bands(b, t):
+        write_blocks(w, row, packed, scales, None)
+        if offset is not None and w.offset is not None:
+            offset.write(row * (k // OFFSET_BLOCK), w.offset)
+        row += w.n
+    for region in (packed, scales, offset):
+        if region is not None:
+            region.done()
+    return GatheredBlocks(form, n, k, scales, offset), x
+
+
+def _plus_offsets(g: Graph, x: str, offset: str, k: int) -> str:
+    """x [B, S, k] plus each row's offsets [k / 32], gathered and added to 32 values each."""
+    blocks = g.node("Reshape", [x, g.const("embd_blocks", _int64([0, 0, k // OFFSET_BLOCK, -1]))])
+    rows = g.node("Gather", [offset, "input_ids"], axis=0)[0]  # [B, S, k / 32, 1]
+    summed = g.node("Add", [blocks[0], rows])[0]
+    return g.node("Reshape", [summed, g.const("embd_flat", _int64([0, 0, k]))])[0]
 
 
 def _silu(g: Graph, x: str) -> str:
@@ -150,16 +204,32 @@ def lm_head(b: BuildContext, x: str, embedded: Embedding) -> str:
     if head is not None:
         return linear(b, h, [head], "output")
     if embedded.blocks is not None:  # tied: the same blocks as the embedding
-        w = embedded.blocks
-        b.report.count_blocks(w.bits, w.block_size)
-        scales = g.const("output.scales", w.scales.reshape(-1))
-        return matmul_nbits(b, h, "token_embd.qweight", scales, w, w.n)
+        return _tied_head(b, h, embedded.blocks)
     assert embedded.table is not None  # the embedding is blocks or a table
     flat = g.node("Reshape", [h, g.const("flat_shape", _int64([-1, b.shape.hidden]))])
     logits2d = g.node("Gemm", [flat[0], embedded.table], transB=1)[0]  # [B * n, vocab]
     rows = g.node("Shape", [h], end=2)[0]  # [B, n]
     shape = g.node("Concat", [rows, g.const("vocab_dim", _int64([b.shape.vocab]))], axis=0)[0]
     return g.node("Reshape", [logits2d, shape])[0]
+
+
+def _tied_head(b: BuildContext, h: str, w: GatheredBlocks) -> str:
+    """h @ W.T with the embedding's blocks: its packed weights shared, its scales (and
+    offsets, transposed) copied to the head's own initializers a band at a time."""
+    g, per_32 = b.graph, w.k // OFFSET_BLOCK
+    b.report.count_blocks(w.form.bits, w.form.block_size)
+    scales = g.reserve("output.scales", (w.scales.size,), np.float32)
+    scales.copy_from(w.scales)
+    y = matmul_nbits(b, h, "token_embd.qweight", scales.name, w.form, w.k, w.n)
+    if w.offset is None:
+        return y
+    sums = block_sums(b, h, w.k)
+    offset_t = g.reserve("output.offset_t", (per_32, w.n), np.float32)
+    for start, stop in spans(w.n, per_32):
+        rows = w.offset.read(start * per_32, (stop - start) * per_32)
+        offset_t.write_columns(start, rows.reshape(-1, per_32))
+    offset_t.done()
+    return g.node("Add", [y, g.node("MatMul", [sums, offset_t.name])[0]])[0]
 
 
 def _int64(values: list[int]) -> np.ndarray:
