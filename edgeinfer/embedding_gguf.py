@@ -23,6 +23,7 @@ from .embedding_load import embedding_model, plan_embedding_memory, source_key
 from .encoder_folder import EncoderConfig, EncoderFolder
 from .errors import ModelLoadError
 from .gguf_file import GGUFHeader
+from .memory_plan import MemoryBudget
 from .model import Model
 
 __all__ = [
@@ -137,11 +138,13 @@ def _check_tables(header: GGUFHeader, hidden: int, context: int) -> None:
         )
 
 
-def load_gguf_embedding(source: Any, config: LoadConfig, budget: int | str | None) -> Model:
+def load_gguf_embedding(
+    source: Any, config: LoadConfig, budget: MemoryBudget | int | str | None
+) -> Model:
     """``source`` (a ``ModelSource`` of format "gguf" holding an encoder) as an embedding
     Model on llama.cpp (CPU)."""
     encoder = check_embedding_gguf(source.header)
-    plan = plan_embedding_memory(encoder, budget, config.resolved_threads)  # type: ignore[arg-type]
+    plan = plan_embedding_memory(encoder, budget, config.resolved_threads)
     config = dataclasses.replace(config, batch_size=plan.batch_size)
     from .runtimes.llama_embed import LlamaEmbedBackend
 

@@ -21,8 +21,7 @@ from .config import LoadConfig
 from .encoder_folder import EncoderFolder
 from .errors import BackendUnavailableError, InvalidRequestError, MemoryBudgetError
 from .inventory import devices
-from .memory import parse_size
-from .memory_plan import MemoryPlan, mb
+from .memory_plan import MemoryBudget, MemoryPlan, mb
 from .model import Model
 from .policy import plan_providers
 from .runtimes import open_backend
@@ -99,7 +98,7 @@ class EncoderModel:
 
 
 def load_encoder(
-    source: Any, config: LoadConfig, budget: int | str | None, allow_fallback: bool
+    source: Any, config: LoadConfig, budget: MemoryBudget | int | str | None, allow_fallback: bool
 ) -> Model:
     """``source`` (a ``ModelSource`` of format "encoder") opened as an embedding Model."""
     folder: EncoderFolder = source.header
@@ -185,17 +184,17 @@ def activation_bytes(folder: EncoderFolder) -> int:
 
 
 def plan_embedding_memory(
-    folder: EncoderFolder, budget: int | str | None, threads: int, *, process: int | None = None
+    folder: EncoderFolder,
+    budget: MemoryBudget | int | str | None,
+    threads: int,
+    *,
+    process: int | None = None,
 ) -> MemoryPlan:
     """The memory plan of an embedding model: weights, engine, and the activations of a batch
     of texts of the maximum length (``DEFAULT_BATCH``, fewer if the budget holds fewer);
     MemoryBudgetError when not even one text fits."""
     process = psutil.Process().memory_info().rss if process is None else process
-    if budget is None:
-        free = psutil.virtual_memory().available
-        limit, source = process + free // 2, f"50% of the {free / 1e6:.0f} MB available"
-    else:
-        limit, source = parse_size(budget), "memory_budget"
+    limit, source = MemoryBudget.of(budget).resolve(process)
     fixed = process + folder.weight_bytes + _ENGINE_BYTES + _HEADROOM
     per_text = activation_bytes(folder)
     batch = min(DEFAULT_BATCH, max(0, (limit - fixed) // per_text))

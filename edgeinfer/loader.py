@@ -12,31 +12,32 @@ import dataclasses
 import importlib.util
 import logging
 from os import PathLike
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import catalog
-from .config import LoadConfig
+from .config import LoadConfig, check_parallel
 from .draft_model import DraftModel
 from .draft_vocab import check_files, check_tokenizers
 from .embedding_gguf import is_embedding_gguf, load_gguf_embedding
 from .embedding_load import load_encoder, refuse_generation_options
 from .errors import (
-    BackendUnavailableError,
     EdgeInferError,
     InvalidRequestError,
     MemoryBudgetError,
-    ModelLoadError,
 )
 from .inventory import devices
-from .manifest import MANIFEST_NAME, PARTIAL_MARKER, Manifest
-from .memory import FitAtLoad, check_parallel, plan_memory
-from .memory_plan import mb
+from .load_plan import (
+    native_folder_for,
+    route_for,
+    routed,
+    runs_as_onnx,
+    source_for,
+    transcoded_catalog_model,
+)
+from .memory_plan import MemoryBudget, mb
 from .model import Model
-from .model_shape import ModelShape, shape_of
 from .model_source import ModelSource, resolve
-from .policy import normalise_device, plan_providers
-from .routes import Route, check_engine, route_on
+from .policy import plan_providers
+from .routes import Route, check_engine
 from .rss import peak_rss
 from .runtimes import open_backend
 from .speculative import SpeculativeConfig, parse_speculative
@@ -45,7 +46,15 @@ from .state.prompt_cache import PromptCache
 if TYPE_CHECKING:
     from .runtimes.base import Backend
 
-__all__ = ["ModelSource", "load", "resolve"]
+__all__ = [
+    "ModelSource",
+    "load",
+    "native_folder_for",
+    "resolve",
+    "route_for",
+    "runs_as_onnx",
+    "transcoded_catalog_model",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -94,21 +103,21 @@ def load(
     ``finish_reason="length"``; ``context_overflow="slide"`` keeps the system prompt and the
     newer half of the conversation instead, and goes on. ``flash_attention=True`` trades
     bit-exact agreement with llama.cpp's defaults for speed on GGUF models.
-    ``prompt_cache``: a folder (or True) keeping long prompts' KV on disk (``edgeinfer.state``).
-    ``kv_dtype``: the KV cache's type ("auto": the model's own; "float16" halves the ONNX
-    route's, docs/memory.md). ``speculative``: requests' default (``edgeinfer.speculative``;
-    "draft:NAME" also opens a draft model: docs/speculative.md).
+    ``prompt_cache``: a folder (or True) keeping long prompts' KV on disk. ``kv_dtype``: the
+    KV cache's type ("auto": the model's own; "float16" halves the ONNX route's). ``speculative``:
+    requests' default ("draft:NAME" also opens a draft model: docs/speculative.md).
     """
     cache, spec, asked = _check_options(context_overflow, allow_fallback, engine, prompt_cache,
                                         speculative)  # fmt: skip
     parallel = parallel if parallel == "auto" else check_parallel(parallel)
+    budget = MemoryBudget.of(memory_budget)  # refused here if invalid, before anything loads
     config = LoadConfig(device=device, context_length=context_length, threads=threads,
                         flash_attention=flash_attention, kv_dtype=kv_dtype)  # fmt: skip
     named = resolve(model)
     if _is_embedding_model(named):
         asked["parallel"] = parallel
-        return _load_embedding_model(named, config, memory_budget, allow_fallback, spec, asked)
-    opened = _opened(model, named, config, memory_budget, parallel, engine, allow_fallback, spec)
+        return _load_embedding_model(named, config, budget, allow_fallback, spec, asked)
+    opened = _opened(model, named, config, budget, parallel, engine, allow_fallback, spec)
     return _model(*opened, context_overflow, cache)
 
 
@@ -116,7 +125,7 @@ def _opened(
     model: str | PathLike[str],
     named: ModelSource,
     config: LoadConfig,
-    budget: int | str | None,
+    budget: MemoryBudget,
     parallel: int | str,
     engine: str,
     allow_fallback: bool,
@@ -125,7 +134,7 @@ def _opened(
     """The generative model ``named`` opened on its route, in its memory plan, with the draft
     model ``spec`` names, if any: backend, source, provider chain, config, route, setting."""
     draft = _draft_source(spec, named, config.device, engine)
-    source, route, config = _routed(
+    source, route, config = routed(
         model, named, config, budget, parallel, engine, draft[0] if draft else None
     )
     backend, chain = _open(source, config, allow_fallback)
@@ -163,49 +172,6 @@ def _model(
     )
 
 
-def _routed(
-    model: str | PathLike[str],
-    named: ModelSource,
-    config: LoadConfig,
-    budget: int | str | None,
-    parallel: int | str,
-    engine: str,
-    draft: ModelSource | None = None,
-) -> tuple[ModelSource, Route, LoadConfig]:
-    """The source to open (the named one or its ONNX transcode), the route that chose it,
-    and ``config`` fitted to the memory plan for its slots (and ``draft``, a draft model's
-    source). ``parallel="auto"`` takes the route of many slots; if the plan then holds one
-    slot only, the route of one."""
-    wanted = 2 if parallel == "auto" else int(parallel)
-    route = route_for(model, named, config.device, parallel=wanted, engine=engine)
-    source = _source_for(named, route, config.kv_dtype)
-    shape = shape_of(draft) if draft is not None else None
-    try:
-        fitted = _fitted(source, config, budget, parallel, shape)
-    except MemoryBudgetError as exc:
-        if source is named or engine != "auto":  # no other route, or this one was asked for
-            raise
-        fitted = _fitted(named, config, budget, parallel, shape)  # raises if it fails too
-        return named, _budget_route(named, exc), fitted
-    if fitted.parallel == 1 and wanted > 1:
-        single = route_for(model, named, config.device, parallel=1, engine=engine)
-        if single.format != route.format:
-            route, source = single, named
-            fitted = _fitted(source, config, budget, 1)
-    return source, route, fitted
-
-
-def _budget_route(named: ModelSource, refused: MemoryBudgetError) -> Route:
-    """The GGUF kept on llama.cpp because its transcode's plan did not fit the budget."""
-    first = str(refused).split(";")[0]
-    why = (
-        f"the ONNX transcode's memory plan does not fit the budget ({first}); llama.cpp's plan "
-        "for the GGUF itself does, so it runs on llama.cpp"
-    )
-    logger.info("%s route: %s", named.name, why)
-    return Route(named.format, named.format, why)
-
-
 def _draft_source(
     spec: SpeculativeConfig, target: ModelSource, device: str, engine: str
 ) -> tuple[ModelSource, bool] | None:
@@ -227,7 +193,7 @@ def _draft_source(
         )
     checked = check_files(target, named, setting)
     route = route_for(spec.draft, named, device, parallel=1, engine=engine)
-    return _source_for(named, route, "auto"), checked
+    return source_for(named, route, "auto"), checked
 
 
 def _open_draft(
@@ -277,7 +243,7 @@ def _is_embedding_model(named: ModelSource) -> bool:
 def _load_embedding_model(
     named: ModelSource,
     config: LoadConfig,
-    memory_budget: int | str | None,
+    memory_budget: MemoryBudget,
     allow_fallback: bool,
     spec: SpeculativeConfig,
     asked: dict[str, Any],
@@ -297,22 +263,6 @@ def _load_embedding_model(
     if named.format == "encoder":
         return load_encoder(named, config, memory_budget, allow_fallback)
     return load_gguf_embedding(named, config, memory_budget)
-
-
-def _source_for(named: ModelSource, route: Route, kv_dtype: str) -> ModelSource:
-    """What ``route`` opens: ``named``, or its ONNX transcode with a ``kv_dtype`` cache; an
-    ONNX folder only with the cache type its graph takes."""
-    if route.format != named.format:
-        return transcoded_catalog_model(named, "float16" if kv_dtype == "float16" else "float32")
-    if named.format == "onnx" and kv_dtype != "auto":
-        built = named.header.architecture.kv_dtype
-        if built != kv_dtype:
-            raise InvalidRequestError(
-                f"kv_dtype={kv_dtype!r}: {named.name}'s graph takes a {built} KV cache; build "
-                f"one for {kv_dtype} with 'edgeinfer convert SOURCE --to onnx --kv-dtype "
-                f"{kv_dtype}', or load it with kv_dtype='auto'"
-            )
-    return named
 
 
 def _check_options(
@@ -345,144 +295,5 @@ def _open(
     return open_backend(source, config, plan)
 
 
-def _fitted(
-    source: ModelSource,
-    config: LoadConfig,
-    budget: int | str | None,
-    parallel: int | str,
-    draft: ModelShape | None = None,
-) -> LoadConfig:
-    """``config`` with the slots, context and batch the memory plan for ``source`` (and a
-    draft model's ``draft``, whose cache holds the same context) allows."""
-    shape = shape_of(source, config.kv_dtype)
-    if draft is not None and 0 < draft.trained_context < shape.trained_context:
-        if (config.context_length or 0) > draft.trained_context:
-            raise InvalidRequestError(
-                f"context_length={config.context_length} exceeds the draft model's trained "
-                f"context ({draft.trained_context} tokens); use at most that"
-            )
-        shape = dataclasses.replace(shape, trained_context=draft.trained_context)
-    memory = plan_memory(
-        shape,
-        budget=budget,
-        context_length=config.context_length,
-        threads=config.resolved_threads,
-        parallel=parallel,
-        draft=draft,
-        **({"batches": HALF_KV_CPU_BATCHES} if _half_kv_on_cpu(source, shape, config) else {}),
-    )
-    # the backend re-fits the context to the resident set once it holds the weights
-    fit = FitAtLoad(shape, memory, fixed_context=config.context_length is not None, draft=draft)
-    return dataclasses.replace(
-        config,
-        context_length=memory.context_length,
-        batch_size=memory.batch_size,
-        parallel=memory.parallel,
-        fit_context=fit,
-    )
-
-
-# onnxruntime's CPU attention on a float16 cache works in float workspaces that grow with
-# the prefill chunk: in chunks of 512 a prompt that fills the context peaked above the
-# float32 cache's peak, so such graphs prefill in chunks of 64 at most (README "Memory",
-# benchmarks/results/onnx_memory_long_*.json; tests/test_onnx_memory.py checks the plan).
-HALF_KV_CPU_BATCHES = (64, 32)
-
-
-def _half_kv_on_cpu(source: ModelSource, shape: Any, config: LoadConfig) -> bool:
-    """An ONNX graph with a float16 KV cache that will run on the CPU."""
-    if source.format != "onnx" or shape.kv_element_bytes != 2:
-        return False
-    wish = normalise_device(config.device)
-    return wish == "cpu" or (wish == "auto" and not devices(engines=()).gpus)
-
-
 def llama_cpp_installed() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
-
-
-def route_for(
-    model: str | PathLike[str],
-    source: ModelSource,
-    device: str,
-    *,
-    parallel: int = 1,
-    engine: str = "auto",
-) -> Route:
-    """The route ``load()`` takes for ``source``: ``routes.route_on`` over this machine's
-    inventory (llama.cpp is asked for its devices only where there is a GPU)."""
-    normalise_device(device)  # an unknown device is refused before the machine is read
-    transcodable = _catalog_gguf(model, source)
-    gpu = transcodable and bool(devices(engines=()).gpus)
-    inventory = devices(engines=("llama_cpp",) if gpu else ())
-    return route_on(inventory, source.format, transcodable=transcodable, parallel=parallel,
-                    device=device, engine=engine)  # fmt: skip
-
-
-def runs_as_onnx(
-    model: str | PathLike[str],
-    source: ModelSource,
-    device: str,
-    *,
-    parallel: int = 1,
-    engine: str = "auto",
-) -> bool:
-    """Whether ``load()`` runs this GGUF through its ONNX transcode (see ``routes.py``)."""
-    route = route_for(model, source, device, parallel=parallel, engine=engine)
-    return route.format == "onnx" and source.format == "gguf"
-
-
-def _catalog_gguf(model: str | PathLike[str], source: ModelSource) -> bool:
-    text = str(model)
-    return (
-        source.format == "gguf"
-        and catalog.lookup(text) is not None
-        and not Path(text).expanduser().exists()
-    )
-
-
-def transcoded_catalog_model(source: ModelSource, kv_dtype: str = "float32") -> ModelSource:
-    """The catalog GGUF ``source`` as an ONNX folder of the native builder (its blocks kept
-    exactly, its KV cache of ``kv_dtype``), made once under ``$EDGEINFER_HOME/derived`` and
-    reused."""
-    folder = native_folder_for(source, kv_dtype)
-    if not (folder / MANIFEST_NAME).is_file() or (folder / PARTIAL_MARKER).exists():
-        logger.warning(
-            "%s: building its ONNX graph once into %s (native builder, blocks kept)",
-            source.name,
-            folder,
-        )
-        _build_native(source.path, folder, kv_dtype)
-    return ModelSource(source.name, folder, "onnx", Manifest.read(folder))
-
-
-def native_folder_for(source: ModelSource, kv_dtype: str = "float32") -> Path:
-    """Where the catalog model ``source`` is transcoded: keyed by its checked sha256 (and a
-    suffix for a float16 KV cache)."""
-    entry = catalog.lookup(source.name)
-    if entry is None or entry.sha256 is None:
-        raise ModelLoadError(f"{source.name} is not a catalog model with a known checksum")
-    name = f"{entry.sha256[:16]}-native-v{_NATIVE_FORMAT}"
-    if kv_dtype == "float16":
-        name += "-kv16"
-    return catalog.edgeinfer_home() / "derived" / name
-
-
-_NATIVE_FORMAT = 5  # bump when the builder's output changes, so old folders are rebuilt
-
-
-def _build_native(src: Path, folder: Path, kv_dtype: str = "float32") -> None:
-    try:
-        from edgeinfer.converters.atomic import atomic_output_dir
-        from edgeinfer.converters.onnx.folder import write_gguf_folder
-    except ImportError as exc:  # pragma: no cover - the package ships both
-        raise ModelLoadError(f"the native ONNX builder is not available: {exc}") from exc
-    if importlib.util.find_spec("onnx") is None:
-        raise BackendUnavailableError(
-            "running a GGUF catalog model through ONNX Runtime builds its graph once, which "
-            "needs the onnx package: pip install 'edgeinfer[onnx]' (or install llama.cpp: "
-            "pip install 'edgeinfer[gguf]')"
-        )
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_output_dir(folder, overwrite=True) as partial:
-        write_gguf_folder(src, partial, kv_dtype=kv_dtype)

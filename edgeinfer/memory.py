@@ -82,7 +82,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import re
 import sys
 from dataclasses import dataclass
 
@@ -91,7 +90,16 @@ import psutil
 from .config import check_parallel  # where load() checks it; the plan takes it checked
 from .errors import InvalidRequestError, MemoryBudgetError
 from .memory_costs import SLOT_LOGITS_BYTES, THREAD_BYTES, EngineCosts, costs_for
-from .memory_plan import MemoryPlan, draft_text, mb, slots_text, step_text
+from .memory_plan import (
+    DEFAULT_BUDGET_FRACTION,
+    MemoryBudget,
+    MemoryPlan,
+    draft_text,
+    mb,
+    parse_size,
+    slots_text,
+    step_text,
+)
 from .model_shape import ModelShape
 from .rss import peak_rss, resident_with_mapped_files
 
@@ -105,13 +113,13 @@ __all__ = [
     "MIN_CONTEXT",
     "THREAD_BYTES",
     "FitAtLoad",
+    "MemoryBudget",
     "MemoryPlan",
     "parse_size",
     "plan_memory",
 ]
 
 MiB = 2**20
-DEFAULT_BUDGET_FRACTION = 0.5  # of the RAM available now, when no budget is given
 MIN_CONTEXT = 256  # tokens: a smaller plan is refused rather than offered
 _CONTEXT_STEP = 256
 _BATCHES = (512, 256, 128, 64, 32)  # prefill batch sizes tried, largest first
@@ -129,39 +137,10 @@ AUTO_MIN_CONTEXT = 2048
 FRESH_PROCESS_BYTES = 36 * MiB
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10,
-    "m": 10**6, "mb": 10**6, "mib": 2**20, "mi": 2**20,
-    "g": 10**9, "gb": 10**9, "gib": 2**30, "gi": 2**30,
-    "t": 10**12, "tb": 10**12, "tib": 2**40, "ti": 2**40,
-}  # fmt: skip
-
-
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string such as "512MB", "1.5GiB", "800M" (M = 10^6, Mi = 2^20)."""
-    if isinstance(value, bool):
-        raise InvalidRequestError(f"memory_budget={value!r} is invalid: expected bytes or a size")
-    if isinstance(value, int):
-        if value <= 0:
-            raise InvalidRequestError(f"memory_budget={value} is invalid: expected > 0 bytes")
-        return value
-    if isinstance(value, str):
-        match = _SIZE.match(value)
-        if match and match.group(2).lower() in _UNITS:
-            number = float(match.group(1)) * _UNITS[match.group(2).lower()]
-            if 0 < number < 2**62:
-                return int(number)
-    raise InvalidRequestError(
-        f"memory_budget={value!r} is invalid: expected bytes or a size such as '512MB' or '1.5GiB'"
-    )
-
-
 def plan_memory(
     shape: ModelShape,
     *,
-    budget: int | str | None = None,
+    budget: MemoryBudget | int | str | None = None,
     context_length: int | None = None,
     available: int | None = None,
     process: int | None = None,
@@ -193,7 +172,7 @@ def plan_memory(
     if draft is not None and _engine_module(draft) != _engine_module(shape):
         if _engine_module(draft) not in sys.modules:
             process += costs_for(draft).import_bytes
-    limit, source = _budget(budget, process, available)
+    limit, source = MemoryBudget.of(budget).resolve(process, available)
     fixed = _fixed_terms(shape, costs, limit, source, process, threads, loaded)
     sizing = _Sizing(costs, shape, fixed, _draft_sizing(draft, limit, source, threads))
     if parallel == "auto":
@@ -285,15 +264,6 @@ class _Sizing:
                 draft_other=second.engine + second.compute,
             )
         return dataclasses.replace(draft, headroom=_headroom(draft))
-
-
-def _budget(budget: int | str | None, process: int, available: int | None) -> tuple[int, str]:
-    """The budget in bytes and where it came from."""
-    if budget is not None:
-        return parse_size(budget), "memory_budget"
-    free = psutil.virtual_memory().available if available is None else available
-    limit = process + int(free * DEFAULT_BUDGET_FRACTION)
-    return limit, f"{DEFAULT_BUDGET_FRACTION:.0%} of the {free / 1e6:.0f} MB available"
 
 
 def _headroom(draft: MemoryPlan) -> int:

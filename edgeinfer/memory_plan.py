@@ -1,12 +1,84 @@
-"""``MemoryPlan``: the host memory one loaded model will take, part by part, as
+"""``MemoryBudget``: the budget a plan must fit, made once from ``memory_budget``; and
+``MemoryPlan``: the host memory one loaded model will take, part by part, as
 ``memory.plan_memory`` planned it (the terms and their measurements: ``memory.py``)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["MemoryPlan", "draft_text", "mb", "slots_text", "step_text"]
+import psutil
+
+from .errors import InvalidRequestError
+
+__all__ = [
+    "DEFAULT_BUDGET_FRACTION",
+    "MemoryBudget",
+    "MemoryPlan",
+    "draft_text",
+    "mb",
+    "parse_size",
+    "slots_text",
+    "step_text",
+]
+
+DEFAULT_BUDGET_FRACTION = 0.5  # of the RAM available now, when no budget is given
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """``memory_budget`` made once where it comes in (``load()``): a limit in bytes, or None
+    for the default rule, which ``resolve`` applies to the process being planned (what it
+    holds plus half of the RAM available: the one default, for every kind of model)."""
+
+    limit: int | None = None
+
+    @classmethod
+    def of(cls, value: MemoryBudget | int | str | None) -> MemoryBudget:
+        """A budget from bytes, a size such as "512MB" or "1.5GiB", or None (the default);
+        an invalid one raises InvalidRequestError."""
+        if isinstance(value, MemoryBudget):
+            return value
+        return cls(None if value is None else parse_size(value))
+
+    def resolve(self, process: int, available: int | None = None) -> tuple[int, str]:
+        """The limit in bytes for a process holding ``process`` bytes, on a machine with
+        ``available`` bytes of RAM available (default: this one's now), and its source."""
+        if self.limit is not None:
+            return self.limit, "memory_budget"
+        free = psutil.virtual_memory().available if available is None else available
+        limit = process + int(free * DEFAULT_BUDGET_FRACTION)
+        return limit, f"{DEFAULT_BUDGET_FRACTION:.0%} of the {free / 1e6:.0f} MB available"
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10,
+    "m": 10**6, "mb": 10**6, "mib": 2**20, "mi": 2**20,
+    "g": 10**9, "gb": 10**9, "gib": 2**30, "gi": 2**30,
+    "t": 10**12, "tb": 10**12, "tib": 2**40, "ti": 2**40,
+}  # fmt: skip
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as "512MB", "1.5GiB", "800M" (M = 10^6, Mi = 2^20)."""
+    if isinstance(value, bool):
+        raise InvalidRequestError(f"memory_budget={value!r} is invalid: expected bytes or a size")
+    if isinstance(value, int):
+        if value <= 0:
+            raise InvalidRequestError(f"memory_budget={value} is invalid: expected > 0 bytes")
+        return value
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match and match.group(2).lower() in _UNITS:
+            number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+            if 0 < number < 2**62:
+                return int(number)
+    raise InvalidRequestError(
+        f"memory_budget={value!r} is invalid: expected bytes or a size such as '512MB' or '1.5GiB'"
+    )
 
 
 @dataclass(frozen=True)

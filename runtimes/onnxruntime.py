@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from edgeinfer.bounded_json import read_regular_file
 from edgeinfer.catalog import edgeinfer_home
 from edgeinfer.config import LoadConfig
 from edgeinfer.errors import (
@@ -27,7 +26,7 @@ from edgeinfer.errors import (
     InvalidRequestError,
     ModelLoadError,
 )
-from edgeinfer.manifest import MANIFEST_NAME, Architecture, Manifest, resolve_inside
+from edgeinfer.manifest import Manifest
 from edgeinfer.policy import CPU_PROVIDER, Candidate
 from edgeinfer.rss import release_free_heap
 
@@ -42,17 +41,15 @@ from .onnx_checks import (
     past_names,
     returns_last_position_only,
 )
-from .onnx_external import GraphFacts, read_graph_facts
+from .onnx_folder import model_path_of, open_tokenizer
 from .onnx_slots import SlotCache, Step, plan_step
 from .onnx_state import OnnxKVState
-from .tokenizer_json import JsonTokenizer
 
 __all__ = ["OrtBackend", "open_backend"]
 
 logger = logging.getLogger(__name__)
 
 _PREFILL_CHUNK = 256  # tokens per run during prefill: bounds the [chunk, vocab] logits buffer
-_MAX_TEMPLATE_BYTES = 1 << 20  # real templates are a few KB
 _DML = "DmlExecutionProvider"
 _TRT = "TensorrtExecutionProvider"
 
@@ -92,10 +89,10 @@ class OrtBackend:
         self._arch = arch
         self._threads = config.resolved_threads
         self._chunk = config.batch_size or _PREFILL_CHUNK
-        model_path, facts = _model_path(folder, manifest)
+        model_path, facts = model_path_of(folder, manifest)
         check_rotary(facts.rotary_positions, arch.max_context, manifest)
         # the tokenizer first: what its parse frees goes back before the session grows on top
-        self.tokenizer = _open_tokenizer(folder, manifest)
+        self.tokenizer = open_tokenizer(folder, manifest)
         release_free_heap()
         self._session = self._open_session(model_path, candidate)
         release_free_heap()  # the graph's protobuf and what optimizing it freed
@@ -113,7 +110,6 @@ class OrtBackend:
         self._shared = arch.kv_cache == "shared"
         self._n_slots = config.parallel
         check_slots(self._session, self._n_slots, self._shared)
-        # a spare cache row, so that a lone sequence's step still carries two rows (onnx_slots)
         self._rows = self._n_slots + 1 if self._shared and not fixed_batch(self._session) else None
         if self._shared:
             check_shared_context(self._n_ctx, arch)
@@ -151,7 +147,7 @@ class OrtBackend:
         does, bit for bit, it runs alone (a second row has a price: benchmarks/lone_steps.py);
         where it does not (onnxruntime's 4-bit kernels for one row differ on
         some CPUs), every step pairs it, so a reply does not depend on what runs beside it."""
-        rows = self._rows
+        rows = self._rows  # the slots and a spare row, allocated whatever the probe says
         if rows is None:
             return
         probe, logits = [1, 2, 3, 4], []
@@ -434,76 +430,3 @@ class OrtBackend:
         self._bound = None
         self._cache = None
         self._past = []
-
-
-def _open_tokenizer(folder: Path, manifest: Manifest) -> JsonTokenizer:
-    arch = manifest.architecture
-    tokenizer = JsonTokenizer(
-        _regular_file(folder, manifest.tokenizer_file, "tokenizer_file"),
-        eos_token_ids=manifest.eos_token_ids,
-        bos_token=manifest.bos_token,
-        eos_token=manifest.eos_token,
-        chat_template=_read_optional(folder, manifest.chat_template_file),
-        n_vocab=arch.vocab_size,
-    )
-    _check_tokenizer_size(tokenizer, folder / manifest.tokenizer_file, arch)
-    return tokenizer
-
-
-def _model_path(folder: Path, manifest: Manifest) -> tuple[Path, GraphFacts]:
-    """The graph's real path and facts, once it and every external data file it names are
-    known to lie inside ``folder`` (onnxruntime before 1.24 follows ``../`` in external data
-    locations)."""
-    path = _regular_file(folder, manifest.model_file, "model_file")
-    base = path.parent.relative_to(folder.resolve())
-    facts = read_graph_facts(path)
-    for location in facts.locations:
-        name = (base / location).as_posix()
-        data = resolve_inside(folder, name, "external data location", where=str(path))
-        if not data.is_file():
-            raise ModelLoadError(
-                f"{path}: its external data file {location!r} is missing or not a regular "
-                "file; the model folder is incomplete"
-            )
-    return path, facts
-
-
-def _regular_file(folder: Path, name: str, key: str) -> Path:
-    """The real path of a file the manifest names; it must be a regular file in ``folder``
-    (not a FIFO, which would block the load forever)."""
-    path = resolve_inside(folder, name, key)
-    if not path.is_file():
-        raise ModelLoadError(
-            f"{MANIFEST_NAME}: {key}={name!r} is missing or not a regular file; the model "
-            "folder is incomplete"
-        )
-    return path
-
-
-def _check_tokenizer_size(tokenizer: JsonTokenizer, path: Path, arch: Architecture) -> None:
-    """Every id the tokenizer can produce must have a row in the graph's logits."""
-    size = tokenizer.size
-    if size > arch.vocab_size:
-        raise ModelLoadError(
-            f"{MANIFEST_NAME}: architecture.vocab_size={arch.vocab_size} is smaller than the "
-            f"tokenizer {path.name} ({size} ids); the manifest or tokenizer does not belong to "
-            "this model — re-convert it"
-        )
-
-
-def _read_optional(folder: Path, name: str | None) -> str | None:
-    """The chat template's text; None when the manifest names none or the file is absent."""
-    if name is None:
-        return None
-    path = resolve_inside(folder, name, "chat_template_file")
-    if not path.is_file():
-        return None
-    try:
-        data = read_regular_file(path, max_bytes=_MAX_TEMPLATE_BYTES, error=ModelLoadError)
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ModelLoadError(
-            f"{MANIFEST_NAME}: chat_template_file={name!r} is not UTF-8 text: {exc}"
-        ) from exc
-    except ModelLoadError as exc:  # replaced by a FIFO or grown since the check: named
-        raise ModelLoadError(f"{MANIFEST_NAME}: chat_template_file={name!r}: {exc}") from exc

@@ -335,7 +335,8 @@ def test_onnx_provider_failing_at_session_creation_falls_back_to_cpu(
         return real(path, options, providers=providers, **kw)
 
     monkeypatch.setattr(onnxruntime, "InferenceSession", session)
-    monkeypatch.setattr("edgeinfer.loader.devices", lambda **kw: _with_cuda(devices()))
+    for where in ("edgeinfer.loader.devices", "edgeinfer.load_plan.devices"):
+        monkeypatch.setattr(where, lambda **kw: _with_cuda(devices()))
     with edgeinfer.load(folder, context_length=64) as model:
         info = model.info
         assert info["provider"] == CPU and info["device"] == "cpu"
@@ -363,7 +364,8 @@ def test_onnx_provider_silently_dropped_by_onnxruntime_is_a_failure(
         return real(path, options, providers=["CPUExecutionProvider"], **kw)
 
     monkeypatch.setattr(onnxruntime, "InferenceSession", session)
-    monkeypatch.setattr("edgeinfer.loader.devices", lambda **kw: _with_cuda(devices()))
+    for where in ("edgeinfer.loader.devices", "edgeinfer.load_plan.devices"):
+        monkeypatch.setattr(where, lambda **kw: _with_cuda(devices()))
     with pytest.raises(BackendUnavailableError, match="did not enable CUDAExecutionProvider"):
         edgeinfer.load(default_onnx("fp32"), device="cuda", context_length=64)
     with edgeinfer.load(
@@ -388,7 +390,8 @@ def test_gguf_offload_failure_falls_back_to_cpu(
         return None if params.n_gpu_layers != 0 else real(path, params)
 
     monkeypatch.setattr(llama_cpp, "llama_model_load_from_file", load_from_file)
-    monkeypatch.setattr("edgeinfer.loader.devices", lambda **kw: _with_cuda(devices()))
+    for where in ("edgeinfer.loader.devices", "edgeinfer.load_plan.devices"):
+        monkeypatch.setattr(where, lambda **kw: _with_cuda(devices()))
     with caplog.at_level("INFO", logger="edgeinfer"):
         model = edgeinfer.load(default_gguf, context_length=64)
     with model:
@@ -424,7 +427,8 @@ def test_corrupt_model_error_is_not_masked_by_the_chain(
     from tests.ggufgen import write_gguf
 
     bad = write_gguf(tmp_path / "bad.gguf", tensors=1)
-    monkeypatch.setattr("edgeinfer.loader.devices", lambda **kw: _with_cuda(devices()))
+    for where in ("edgeinfer.loader.devices", "edgeinfer.load_plan.devices"):
+        monkeypatch.setattr(where, lambda **kw: _with_cuda(devices()))
     with pytest.raises(edgeinfer.ModelLoadError) as info:
         edgeinfer.load(bad)
     assert "also tried llama.cpp:CUDA" in str(info.value)

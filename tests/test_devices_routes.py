@@ -279,10 +279,10 @@ def test_the_devices_cli_refuses_a_hostile_record_in_one_line(name: str, tmp_pat
 def test_load_keeps_the_gguf_on_a_gpu_llama_cpp_drives(
     name: str, default_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import edgeinfer.loader as loader
+    import edgeinfer.load_plan as load_plan
 
     inv = machine(name)
-    monkeypatch.setattr(loader, "devices", lambda engines=(): inv)
+    monkeypatch.setattr(load_plan, "devices", lambda engines=(): inv)
     source = resolve(DEFAULT)
     assert route_for(DEFAULT, source, "auto").format == "gguf"
     assert route_for(DEFAULT, source, "auto") == route_on(inv, "gguf", transcodable=True)

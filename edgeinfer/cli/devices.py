@@ -12,13 +12,14 @@ from typing import Any
 
 from ..bounded_json import read_json_file
 from ..busy import busy_record
-from ..errors import InvalidRequestError, MemoryBudgetError
+from ..config import LoadConfig
+from ..errors import EdgeInferError, InvalidRequestError
 from ..inventory import DeviceInventory, build_inventory, devices
-from ..memory import FRESH_PROCESS_BYTES, MemoryPlan, plan_memory
-from ..model_shape import shape_of
+from ..load_plan import Machine, plan_load, route_for
+from ..memory import MemoryBudget, MemoryPlan
 from ..policy import ProviderPlan, plan_providers
 from ..probes import PACKAGES, MachineProbe, RecordedProbe, RecordingProbe
-from ..routes import Route, route_on
+from ..routes import Route
 from .common import MODEL_HELP
 
 
@@ -90,20 +91,19 @@ def _record(path: Path) -> int:
 
 
 def _plan_for(args: argparse.Namespace, inventory: DeviceInventory) -> _ModelPlan:
-    from ..loader import _catalog_gguf, resolve, route_for
+    from ..loader import resolve
 
     source = resolve(args.model)
-    if args.inventory:  # that machine's packages and devices, as its record says
-        transcodable = _catalog_gguf(args.model, source)
-        route = route_on(inventory, source.format, transcodable=transcodable, device=args.device)
-    else:  # this machine: the route load() takes here
-        route = route_for(args.model, source, args.device)
+    # a recorded machine: its packages and devices, as its record says; else this one
+    machine = Machine(inventory) if args.inventory else Machine()
+    route = route_for(args.model, source, args.device, machine=machine)
+    memory, memory_error, planned = _memory(source, machine, args)
+    route = planned or route  # the plan may keep a GGUF on llama.cpp (a budget too small)
     # a GGUF that runs as onnx: load() runs it through its ONNX graph, built once
     shown = source.format if route.format == source.format else "gguf, run as onnx"
     providers = plan_providers(
         inventory, route.format, args.device, allow_fallback=args.allow_fallback
     )
-    memory, memory_error = _memory(source, inventory, args)
     return _ModelPlan(f"{source.name} ({shown})", route, providers, memory, memory_error)
 
 
@@ -192,24 +192,19 @@ def _loaded_plan(args: argparse.Namespace) -> tuple[MemoryPlan | None, str | Non
 
 
 def _memory(
-    source: Any, inventory: DeviceInventory, args: argparse.Namespace
-) -> tuple[MemoryPlan | None, str | None]:
-    if not args.inventory:  # this machine: exactly what a run gets
-        return _loaded_plan(args)
-    shape = shape_of(source)
-    # load() computes on the physical cores by default: plan with as many threads
-    kwargs: dict[str, Any] = {"threads": max(1, inventory.physical_cores or 1)}
-    # another machine: a fresh process there, its available RAM (nothing is loaded)
-    kwargs.update(
-        available=inventory.available_ram, process=FRESH_PROCESS_BYTES, engine_loaded=False
-    )
+    source: Any, machine: Machine, args: argparse.Namespace
+) -> tuple[MemoryPlan | None, str | None, Route | None]:
+    """The memory plan (or why there is none) and the route it settled on: on this machine
+    exactly what a run gets; on a recorded one, ``load()``'s own rules (``load_plan``)."""
+    if machine.inventory is None:
+        return (*_loaded_plan(args), None)
+    config = LoadConfig(device=args.device, context_length=args.context_length)
+    budget = MemoryBudget.of(args.memory_budget)
     try:
-        plan = plan_memory(
-            shape, budget=args.memory_budget, context_length=args.context_length, **kwargs
-        )
-    except MemoryBudgetError as exc:
-        return None, str(exc)
-    return plan, None
+        route, plan = plan_load(args.model, source, config, budget, machine)
+    except EdgeInferError as exc:
+        return None, str(exc), None
+    return plan, None, route
 
 
 # A record is a few kilobytes (a large server's /proc/cpuinfo, a few hundred).
