@@ -41,9 +41,8 @@ import numpy as np
 from .delivery import Submitted, Task, consume, delivered, merged_cancelled, never_started
 from .errors import EdgeInferError, InvalidRequestError, ModelBusyError
 from .generation import REUSE_GRANULE, Chunk, KVHistory, SequenceState
-from .sampling import Sampler
 from .slots import OneSlot, Slot, SlotView, rewind_quietly, slide, slot_for, submitted
-from .speculative import Speculation, draft, drop_unkept, feed
+from .speculative import draft, drop_unkept, feed
 
 if TYPE_CHECKING:
     from .runtimes.base import Backend, SlotBackend
@@ -94,19 +93,10 @@ class Engine:
 
     # -- callers' side ------------------------------------------------------------------
 
-    def submit(
-        self,
-        ids: list[int],
-        sampler: Sampler,
-        cancel: threading.Event,
-        slide_keep: int | None = None,
-        speculation: Speculation | None = None,
-        *,
-        wait: bool = True,
-    ) -> Iterator[Chunk]:
+    def submit(self, request: Submitted, *, wait: bool = True) -> Iterator[Chunk]:
         """Queue one request (checked by ``check_request``) now; its chunks, in order.
         Closing the iterator early cancels the sequence."""
-        request = Submitted(ids, sampler, cancel, slide_keep, speculation)
+        request.t_submit = time.perf_counter()  # its place in the queue: from now
         with self._cond:
             if self._stopping:
                 raise EdgeInferError("the model is closed; load it again")
@@ -119,20 +109,14 @@ class Engine:
             self._cond.notify_all()
         return consume(request)
 
-    def run(
-        self,
-        ids: list[int],
-        sampler: Sampler,
-        cancel: threading.Event,
-        slide_keep: int | None = None,
-        speculation: Speculation | None = None,
-    ) -> Iterator[Chunk]:
+    def run(self, request: Submitted) -> Iterator[Chunk]:
         """Serve one request in the caller's thread, stepping the loop between its chunks: an
         engine made with ``threaded=False`` (one slot; the caller holds the model's turn, so
         nothing else steps it meanwhile). A chunk is handed out between steps, so a consumer
         that holds it holds no engine work; one that cancels meanwhile gets its last chunk
         ("cancelled") without the engine being touched again."""
-        request = Submitted(ids, sampler, cancel, slide_keep, speculation)
+        request.t_submit = time.perf_counter()
+        cancel = request.cancel
         if cancel.is_set():  # cancelled before it began (the model is being closed)
             yield never_started(self._backend, request)
             return

@@ -269,7 +269,7 @@ def native_folder_for(source: ModelSource, kv_dtype: str = "float32") -> Path:
     return catalog.edgeinfer_home() / "derived" / name
 
 
-_NATIVE_FORMAT = 5  # bump when the builder's output changes, so old folders are rebuilt
+_NATIVE_FORMAT = 6  # bump when the builder's output changes, so old folders are rebuilt
 
 
 def _build_native(src: Path, folder: Path, kv_dtype: str = "float32") -> None:

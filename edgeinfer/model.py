@@ -15,6 +15,7 @@ import numpy as np
 from . import generation, scoring
 from ._turns import OpenStreams, Turns
 from .chat import encode_messages, render_chat
+from .delivery import Submitted
 from .embedding import EmbedResult, GivenIds, embed_for_model, require_generation
 from .engine import Engine
 from .errors import EdgeInferError, InvalidRequestError
@@ -121,11 +122,11 @@ class Model:
         spec = for_request(cfg.speculative, self._spec, self._backend, self._costs)
         cancel = threading.Event()
         parse = sampler.constraint.parse if sampler.constraint is not None else None
-        request = (ids, sampler, cancel, keep if self._slide else None, spec)
+        request = Submitted(ids, sampler, cancel, keep if self._slide else None, spec)
         if not self._engine.threaded:
             chunks = self._locked(request, wait)
         elif eager:
-            chunks = self._engine.submit(*request, wait=wait)
+            chunks = self._engine.submit(request, wait=wait)
         else:
             chunks = self._joined(request, wait)
         return TokenStream(chunks, cancel, parse)
@@ -478,19 +479,19 @@ class Model:
             )
         return checked_token_ids(prompt, self._tokenizer.n_vocab, "prompt")
 
-    def _joined(self, request: tuple[Any, ...], wait: bool) -> Iterator[Chunk]:
+    def _joined(self, request: Submitted, wait: bool) -> Iterator[Chunk]:
         """Serve one request as a sequence of the running batch, joined as iteration starts."""
         self._require_open()
-        yield from self._engine.submit(*request, wait=wait)
+        yield from self._engine.submit(request, wait=wait)
 
-    def _locked(self, request: tuple[Any, ...], wait: bool) -> Iterator[Chunk]:
+    def _locked(self, request: Submitted, wait: bool) -> Iterator[Chunk]:
         """Serve one request in its turn (taken when iteration starts), the caller's thread
         stepping the one-slot loop. The turn ends before the final chunk is handed out, so a
         consumer that stops there holds nothing."""
         final: Chunk | None = None
-        start = partial(self._engine.run, *request)
+        start = partial(self._engine.run, request)
         with self._turns.turn(wait=wait):
-            for chunk in self._open.steps(self._require_open, request[2], start):
+            for chunk in self._open.steps(self._require_open, request.cancel, start):
                 if chunk.finish_reason is not None:
                     final = chunk
                     break

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from edgeinfer import engine as engine_module
+from edgeinfer.delivery import Submitted
 from edgeinfer.model import Model
 
 from .test_speculative import PROMPTS, CopyingBackend
@@ -189,7 +190,7 @@ def test_the_prompt_cache_copies_after_the_first_chunk_is_out() -> None:
     loop = engine_module.Engine(backend, threaded=False, disk=disk)
     model = one_slot()
     ids = model.tokenize(PROMPTS[0])
-    chunks = loop.run(ids, _sampler(model, ids, 8), threading.Event())  # type: ignore[arg-type]
+    chunks = loop.run(Submitted(ids, _sampler(model, ids, 8), threading.Event(), None))  # type: ignore[arg-type]
     first = next(chunks)
     assert first.text and disk.remembered == []  # the reply starts before the copy
     rest = list(chunks)
@@ -261,7 +262,7 @@ def test_a_request_cancelled_before_it_begins_ends_cancelled_without_touching_th
     cancel = threading.Event()
     cancel.set()
     loop.close()  # closing: a request that had passed its check still begins
-    chunks = list(loop.run(ids, _sampler(model, ids, 8), cancel))  # type: ignore[arg-type]
+    chunks = list(loop.run(Submitted(ids, _sampler(model, ids, 8), cancel, None)))  # type: ignore[arg-type]
     assert [c.finish_reason for c in chunks] == ["cancelled"]
     assert chunks[0].stats is not None and chunks[0].stats.prefill_tokens_per_s == 0
     assert backend.passes == 0

@@ -15,6 +15,7 @@ import pytest
 import edgeinfer
 from edgeinfer import cli
 from edgeinfer.config import LoadConfig
+from edgeinfer.delivery import Submitted
 from edgeinfer.engine import Engine
 from edgeinfer.errors import InvalidRequestError, MemoryBudgetError
 from edgeinfer.generation import Chunk, KVHistory
@@ -180,7 +181,7 @@ def run(backend: FakeBackend, history: KVHistory, prompt: list[int], sampler: Sa
         cancel: threading.Event, slide_keep: int | None = None) -> Iterator[Chunk]:  # fmt: skip
     """One request through the generation loop, stepped in this thread (as at parallel=1)."""
     engine = Engine(backend, threaded=False, history=history)
-    return engine.run(prompt, sampler, cancel, slide_keep)
+    return engine.run(Submitted(prompt, sampler, cancel, slide_keep))
 
 
 def test_full_context_stops_with_length() -> None:
