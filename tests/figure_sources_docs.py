@@ -50,6 +50,7 @@ ONE_LOOP = results("one_loop.json")
 SPECULATIVE = results("speculative.json")
 SPEC_TASKS = ("summarize", "extract", "rewrite", "edit", "chat")
 PEER = results("llama_cpp_speculative.json")
+LONE = results("lone_steps.json")
 
 A_SETTING = "a setting"
 
@@ -206,6 +207,12 @@ DOCS_SPECS: list[Spec] = [
         given("2x", A_TARGET),
         _spec_ratio("onnx", "extract", "auto"),
         given("1.5x", A_TARGET),
+    ),
+    spec(
+        "docs/many-requests.md",
+        "The price of pairing, for one stream",
+        times(LONE("results", 0, "paired_over_alone_median")),
+        times(LONE("results", 1, "paired_over_alone_median")),
     ),
     spec(
         "docs/performance.md",
