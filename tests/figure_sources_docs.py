@@ -51,6 +51,7 @@ SPECULATIVE = results("speculative.json")
 SPEC_TASKS = ("summarize", "extract", "rewrite", "edit", "chat")
 PEER = results("llama_cpp_speculative.json")
 LONE = results("lone_steps.json")
+PAR_SPEC = results("parallel_speculative.json")
 
 A_SETTING = "a setting"
 
@@ -207,6 +208,16 @@ DOCS_SPECS: list[Spec] = [
         given("2x", A_TARGET),
         _spec_ratio("onnx", "extract", "auto"),
         given("1.5x", A_TARGET),
+    ),
+    spec(
+        "docs/speculative.md",
+        "- At any `parallel`: speculation runs inside the one generation loop",
+        times(PAR_SPEC("summary", "auto", "ratio_to_off_median")),
+        times(PAR_SPEC("summary", "auto", "ratio_to_off_range", 0)),
+        times(PAR_SPEC("summary", "auto", "ratio_to_off_range", 1)),
+        given("157 tok/s", "the lower group of the runs' aggregates in the same file, rounded"),
+        given("207 tok/s", "the upper group of the runs' aggregates in the same file, rounded"),
+        given("0.86x", "the previous run of the same command, replaced by this file"),
     ),
     spec(
         "docs/many-requests.md",
