@@ -12,10 +12,16 @@ Starts one server per --parallel value (each a process of its own on a free loop
   decoding (the target: joined <= 2x alone).
 
 Every prompt starts with a tag unique to its round and request, so no prompt is read from a
-slot's cache. Round 0 warms up and is left out. Medians and min-max go to the JSON file.
+slot's cache. Round 0 is each server's first burst after its start: kept apart
+("first_burst", with its ratio to the later rounds' median), left out of the medians and
+min-max of the later rounds.
+
+With --peer-server, llama.cpp's own server (built from the llama.cpp that llama-cpp-python
+vendors) serves the same GGUF with -np N and the same per-slot context and threads, in the
+same rounds, one server at a time.
 
     python benchmarks/serve_parallel.py [--parallel 1,8] [--clients 8] [-n 64] [--rounds 3]
-        [--threads 2] [--out benchmarks/results/serve_parallel.json]
+        [--threads 2] [--peer-server LLAMA_SERVER] [--out benchmarks/results/serve_parallel.json]
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import conditions
+
 TEXT = (
     "wrote a short story about a lighthouse keeper who finds a message in a bottle, and the "
     "story begins like this:"
@@ -48,13 +57,18 @@ def _free_port() -> int:
 
 def _start(model: str, parallel: int, threads: int, context: int) -> tuple[Any, str, list[str]]:
     """``edgeinfer serve --parallel N`` answering /health: (process, base URL, its log)."""
-    import httpx
-
     port = _free_port()
     argv = [sys.executable, "-m", "edgeinfer.cli", "serve", model, "--port", str(port),
             "--threads", str(threads), "--context-length", str(context),
             "--parallel", str(parallel), "--max-queue", "64"]  # fmt: skip
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env={**os.environ})
+    return _serving(proc, port)
+
+
+def _serving(proc: Any, port: int) -> tuple[Any, str, list[str]]:
+    """``proc`` once it answers /health on ``port``: (process, base URL, its log)."""
+    import httpx
+
     log: list[str] = []
     threading.Thread(target=lambda: log.extend(iter(proc.stderr.readline, "")), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
@@ -126,8 +140,8 @@ def _burst(url: str, clients: int, n: int, tag: str) -> dict[str, Any]:
     for t in _threads(streams):
         t.join()
     wall = max(s.stamps[-1] for s in streams) - t0
-    tokens = sum(s.tokens for s in streams)
-    assert tokens == clients * n, [s.tokens for s in streams]
+    tokens = sum(s.tokens or len(s.stamps) for s in streams)  # usage, else one per event
+    assert tokens == clients * n, [s.tokens or len(s.stamps) for s in streams]
     return {
         "aggregate_tok_s": tokens / wall,
         "ttft_s": sorted(s.ttft for s in streams),
@@ -204,33 +218,30 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--context-length", type=int, default=512)
     parser.add_argument(
+        "--peer-server",
+        type=Path,
+        metavar="LLAMA_SERVER",
+        help="also serve the default model's GGUF with this llama-server binary (-np N), "
+        "in the same rounds",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "serve_parallel.json"
     )
     args = parser.parse_args()
     from edgeinfer import catalog
 
     machine = _machine()
+    cond = conditions.start(args.threads, args.rounds)
     levels = [int(p) for p in args.parallel.split(",")]
     servers = {
-        p: _start(catalog.DEFAULT_MODEL, p, args.threads, args.context_length) for p in levels
+        ("edgeinfer", p): _start(catalog.DEFAULT_MODEL, p, args.threads, args.context_length)
+        for p in levels
     }
-    runs: dict[int, list[dict[str, Any]]] = {p: [] for p in levels}
-    joins: dict[int, list[dict[str, float]]] = {p: [] for p in levels}
-    try:
-        for r in range(args.rounds + 1):  # round 0 warms every server up
-            for p, (_, url, _) in servers.items():
-                burst = _burst(url, args.clients, args.n, f"r{r}p{p}")
-                join = _join(url, args.clients, args.n, f"r{r}p{p}") if p > 1 else None
-                if r:
-                    runs[p].append(burst)
-                    if join:
-                        joins[p].append(join)
-                print(f"round {r} --parallel {p}: {burst['aggregate_tok_s']:.1f} tok/s"
-                      + (f", join {join}" if join else ""), file=sys.stderr)  # fmt: skip
-    finally:
-        for proc, _, _ in servers.values():
-            proc.terminate()
-            proc.wait(60)
+    if args.peer_server:
+        gguf = str(catalog.fetch(catalog.DEFAULT_MODEL))
+        for p in levels:
+            servers["llama-server", p] = _start_peer(args.peer_server, gguf, p, args)
+    runs, first, joins = _rounds(servers, args)
     report = {
         "model": catalog.DEFAULT_MODEL,
         "clients": args.clients,
@@ -240,21 +251,77 @@ def main() -> int:
         "rounds": args.rounds,
         "machine": machine | {"loadavg_at_end": os.getloadavg()},
         "servers": {
-            str(p): [ln.strip() for ln in s[2] if "serving" in ln] for p, s in servers.items()
+            f"{name} {p}": [ln.strip() for ln in s[2] if "serving" in ln or "listening" in ln]
+            for (name, p), s in servers.items()
         },
-        "parallel": _report(runs, joins),
+        "conditions": conditions.finish(cond),
     }
+    for name in dict.fromkeys(name for name, _ in servers):
+        key = "parallel" if name == "edgeinfer" else name
+        mine = {p for n, p in servers if n == name}
+        report[key] = _report({p: runs[name, p] for p in mine}, {p: joins[name, p] for p in mine})
+        for p in mine:
+            later = report[key][str(p)]["aggregate_tok_s"]["median"]
+            burst = first[name, p]
+            over = burst["aggregate_tok_s"] / later
+            report[key][str(p)]["first_burst"] = {**burst, "over_later_median": over}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    for p in levels:
-        row = report["parallel"][str(p)]
+    _print(report, servers)
+    return 0
+
+
+Label = tuple[str, int]  # (which server, its --parallel / -np)
+
+
+def _rounds(servers: dict[Label, Any], args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """Round 0 (each server's first burst after its start), then ``args.rounds`` rounds,
+    the servers in turn within each; the servers are stopped at the end."""
+    runs: dict[Label, list[dict[str, Any]]] = {k: [] for k in servers}
+    first: dict[Label, dict[str, Any]] = {}
+    joins: dict[Label, list[dict[str, float]]] = {k: [] for k in servers}
+    try:
+        for r in range(args.rounds + 1):
+            for (name, p), (_, url, _) in servers.items():
+                tag = f"r{r}p{p}{name[0]}"
+                burst = _burst(url, args.clients, args.n, tag)
+                join = _join(url, args.clients, args.n, tag) if p > 1 else None
+                if r == 0:
+                    first[name, p] = burst
+                else:
+                    runs[name, p].append(burst)
+                    if join:
+                        joins[name, p].append(join)
+                print(f"round {r} {name} {p}: {burst['aggregate_tok_s']:.1f} tok/s"
+                      + (f", join {join}" if join else ""), file=sys.stderr)  # fmt: skip
+    finally:
+        for proc, _, _ in servers.values():
+            proc.terminate()
+            proc.wait(60)
+    return runs, first, joins
+
+
+def _print(report: dict[str, Any], servers: dict[Label, Any]) -> None:
+    for name, p in servers:
+        row = report["parallel" if name == "edgeinfer" else name][str(p)]
         p50, p95 = row["ttft_p50_s"] * 1000, row["ttft_p95_s"] * 1000
-        line = f"--parallel {p}: {row['aggregate_tok_s']['median']:.1f} tok/s aggregate, "
+        line = f"{name} {p}: {row['aggregate_tok_s']['median']:.1f} tok/s aggregate "
+        line += f"(first burst {row['first_burst']['aggregate_tok_s']:.1f}), "
         line += f"TTFT p50 {p50:.0f} ms p95 {p95:.0f} ms"
         if "join" in row:
             line += f", joined/alone TTFT {row['join']['joined_over_alone']['median']:.2f}x"
         print(line)
-    return 0
+
+
+def _start_peer(
+    binary: Path, gguf: str, parallel: int, args: argparse.Namespace
+) -> tuple[Any, str, list[str]]:
+    """``llama-server -np N`` on the same GGUF, each slot the same context, answering /health."""
+    port = _free_port()
+    argv = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+            "-np", str(parallel), "-c", str(parallel * args.context_length),
+            "-t", str(args.threads), "-tb", str(args.threads)]  # fmt: skip
+    return _serving(subprocess.Popen(argv, stderr=subprocess.PIPE, text=True), port)
 
 
 if __name__ == "__main__":

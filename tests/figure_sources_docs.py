@@ -52,6 +52,8 @@ SPEC_TASKS = ("summarize", "extract", "rewrite", "edit", "chat")
 PEER = results("llama_cpp_speculative.json")
 LONE = results("lone_steps.json")
 PAR_SPEC = results("parallel_speculative.json")
+PEER_SERVE = results("serve_parallel_peer.json")
+_EI8, _LS8 = under(PEER_SERVE, "parallel", "8"), under(PEER_SERVE, "llama-server", "8")
 
 A_SETTING = "a setting"
 
@@ -218,6 +220,21 @@ DOCS_SPECS: list[Spec] = [
         given("157 tok/s", "the lower group of the runs' aggregates in the same file, rounded"),
         given("207 tok/s", "the upper group of the runs' aggregates in the same file, rounded"),
         given("0.86x", "the previous run of the same command, replaced by this file"),
+    ),
+    spec(
+        "docs/many-requests.md",
+        "The server from its first burst, beside llama.cpp's own server",
+        tps(_EI8("first_burst", "aggregate_tok_s")),
+        tps(_LS8("first_burst", "aggregate_tok_s")),
+        times(_EI8("first_burst", "aggregate_tok_s") / _LS8("first_burst", "aggregate_tok_s")),
+        tps(_EI8("aggregate_tok_s", "median")),
+        tps(_LS8("aggregate_tok_s", "median")),
+        times(_EI8("aggregate_tok_s", "median") / _LS8("aggregate_tok_s", "median")),
+        tps(_EI8("aggregate_tok_s", "min")),
+        tps(_EI8("aggregate_tok_s", "max")),
+        tps(_LS8("aggregate_tok_s", "min")),
+        tps(_LS8("aggregate_tok_s", "max")),
+        times(_EI8("join", "joined_over_alone", "median")),
     ),
     spec(
         "docs/many-requests.md",
