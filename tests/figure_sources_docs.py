@@ -53,6 +53,7 @@ PEER = results("llama_cpp_speculative.json")
 LONE = results("lone_steps.json")
 PAR_SPEC = results("parallel_speculative.json")
 PEER_SERVE = results("serve_parallel_peer.json")
+BATCHED = results("llama_batched.json")
 _EI8, _LS8 = under(PEER_SERVE, "parallel", "8"), under(PEER_SERVE, "llama-server", "8")
 
 A_SETTING = "a setting"
@@ -235,6 +236,15 @@ DOCS_SPECS: list[Spec] = [
         tps(_LS8("aggregate_tok_s", "min")),
         tps(_LS8("aggregate_tok_s", "max")),
         times(_EI8("join", "joined_over_alone", "median")),
+    ),
+    spec(
+        "docs/many-requests.md",
+        "On llama.cpp's own route (the GGUF kept on llama.cpp)",
+        tps(BATCHED("summary", "edgeinfer", "decode_tok_s_median")),
+        tps(BATCHED("summary", "llama-batched-bench", "decode_tok_s_median")),
+        times(BATCHED("summary", "ratio_median")),
+        times(BATCHED("summary", "ratio_range", 0)),
+        times(BATCHED("summary", "ratio_range", 1)),
     ),
     spec(
         "docs/many-requests.md",
