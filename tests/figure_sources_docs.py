@@ -54,6 +54,8 @@ LONE = results("lone_steps.json")
 PAR_SPEC = results("parallel_speculative.json")
 PEER_SERVE = results("serve_parallel_peer.json")
 BATCHED = results("llama_batched.json")
+PEER15 = results("llama_cpp_speculative_1.5b.json")
+_DRAFT = "edgeinfer draft:qwen2.5-coder-0.5b-instruct"
 _EI8, _LS8 = under(PEER_SERVE, "parallel", "8"), under(PEER_SERVE, "llama-server", "8")
 
 A_SETTING = "a setting"
@@ -236,6 +238,26 @@ DOCS_SPECS: list[Spec] = [
         tps(_LS8("aggregate_tok_s", "min")),
         tps(_LS8("aggregate_tok_s", "max")),
         times(_EI8("join", "joined_over_alone", "median")),
+    ),
+    spec(
+        "docs/speculative.md",
+        "| task | edgeinfer plain | edgeinfer `draft:` |",
+        *[
+            f
+            for task in SPEC_TASKS
+            for f in (
+                tps(PEER15("summary", task, "edgeinfer off")),
+                tps(PEER15("summary", task, _DRAFT)),
+                tps(PEER15("summary", task, "llama.cpp draft-simple")),
+                times(PEER15("summary", task, f"{_DRAFT[10:]} / draft-simple")),
+            )
+        ],
+    ),
+    spec(
+        "docs/speculative.md",
+        "edgeinfer's draft decoding runs",
+        times(PEER15("summary", "summarize", f"{_DRAFT[10:]} / draft-simple")),
+        times(PEER15("summary", "extract", f"{_DRAFT[10:]} / draft-simple")),
     ),
     spec(
         "docs/many-requests.md",
