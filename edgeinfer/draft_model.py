@@ -93,9 +93,16 @@ class DraftModel:
         end = time.perf_counter()
         if read <= _SYNC_TIMED:
             self.costs.record(len(drafts), end - start)
-        elif len(drafts) > 1:  # a long catch-up (the prompt) is not a draft step's cost
-            self.costs.record(len(drafts) - 1, end - synced)
+        else:  # a long catch-up (the prompt) is not a draft step's cost: timed apart
+            self.costs.record_read(read, synced - start)
+            if len(drafts) > 1:
+                self.costs.record(len(drafts) - 1, end - synced)
         return drafts
+
+    def behind(self, cached: Sequence[int]) -> int:
+        """Tokens a proposal after ``cached`` would read first: those the draft's cache
+        lacks, and the pending one."""
+        return len(cached) - self._shared(cached) + 1
 
     def _sync(self, cached: Sequence[int], pending: int) -> tuple[int, np.ndarray]:
         """Rewind the draft's cache to its longest prefix shared with ``cached`` and read

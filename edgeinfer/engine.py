@@ -325,7 +325,8 @@ class Engine:
         assert seq is not None and request is not None and slot.token is not None
         history, spec = slot.history, request.speculation
         room = self._backend.n_ctx - len(history.tokens) - 2  # a draft never fills the context
-        drafts = draft(spec, seq.context, room, request.sampler.constraint, history.tokens)
+        left = request.sampler.config.max_new_tokens - len(seq.generated)
+        drafts = draft(spec, seq.context, room, request.sampler.constraint, history.tokens, left)
         rows = feed(slot.view, slot.token, drafts, spec)  # type: ignore[arg-type]
         history.tokens.append(slot.token)
         kept, ended = 0, False

@@ -71,6 +71,8 @@ class Drafter(Protocol):
 
     def propose(self, cached: Sequence[int], pending: int, k: int) -> list[int]: ...
 
+    def behind(self, cached: Sequence[int]) -> int: ...
+
     def matches(self, named: str) -> bool: ...
 
     def close(self) -> None: ...
@@ -275,7 +277,19 @@ class DraftCosts:
 
     prior_share: float = 0.3
     step_s: float = 0.0
+    read_s: float = 0.0  # per token of a catch-up read (a batch), once one is measured
     _weight: float = 0.2
+
+    def record_read(self, tokens: int, seconds: float) -> None:
+        per_token, w = seconds / tokens, self._weight
+        self.read_s = per_token if self.read_s == 0 else (1 - w) * self.read_s + w * per_token
+
+    def read_ratio(self, tokens: int, target_step_s: float) -> float:
+        """Reading ``tokens`` in one batch, in the target's one-token steps (before one is
+        measured: half a draft step each, a batched read being cheaper than steps)."""
+        if self.read_s == 0 or target_step_s == 0:
+            return tokens * 0.5 * self.ratio(1, target_step_s)
+        return tokens * self.read_s / target_step_s
 
     def record(self, tokens: int, seconds: float) -> None:
         if tokens <= 0:
@@ -328,6 +342,17 @@ class DraftBudget:
                 return 1
         return best
 
+    def pays_back(self, behind: int, k: int, left: int | None) -> bool:
+        """Whether a draft model that must first read ``behind`` tokens (a new prompt)
+        saves more over the ``left`` tokens still to come, at the gain drafting ``k``
+        promises, than that read costs. ``left`` None: no limit known."""
+        if self.drafting is None or not self.config.adaptive or behind <= 2 or left is None:
+            return True
+        a = self.kept_share
+        expected = sum(a**i for i in range(k + 1))
+        saved = max(0.0, 1.0 - (self.costs.ratio(k) + self._drafting_cost(k)) / expected)
+        return left * saved > self.drafting.read_ratio(behind, self.costs.step_s)
+
     def _drafting_cost(self, k: int) -> float:
         """Drafting k tokens, in one-token steps of the model (0 for prompt lookup)."""
         return 0.0 if self.drafting is None else self.drafting.ratio(k, self.costs.step_s)
@@ -357,13 +382,16 @@ class Speculation:
         room: int,
         constraint: Any = None,
         cached: Sequence[int] | None = None,
+        left: int | None = None,
     ) -> list[int]:
         """Tokens to check after ``context``'s last one, at most ``room``; [] for a plain step.
         Under a grammar (``constraint``) the tokens it forces come first: the sampler picks
         them unless the model prefers another spelling of the same bytes, so they are drafted
         whatever the budget says (grammar fast-forward). ``cached``: the tokens in the
         model's cache before that last one (``context`` less it, unless the context slid):
-        what a draft model keeps its own cache in step with."""
+        what a draft model keeps its own cache in step with. ``left``: tokens the reply may
+        still take (a draft model that must first read the prompt drafts only where that
+        read pays back over them)."""
         if constraint is not None:
             forced = constraint.forced(min(room, MAX_DRAFT))
             if forced:
@@ -373,6 +401,8 @@ class Speculation:
             return []
         if self.drafter is not None:
             window = context[:-1] if cached is None else cached
+            if not self.budget.pays_back(self.drafter.behind(window), k, left):
+                return []
             return self.drafter.propose(window, context[-1], k)
         return self._lookup.propose(context, k)
 
@@ -396,11 +426,12 @@ def draft(
     room: int,
     constraint: Any,
     cached: Sequence[int] | None = None,
+    left: int | None = None,
 ) -> list[int]:
     """The tokens to check after ``context`` (see ``Speculation.propose``); [] without one."""
     if speculation is None:
         return []
-    return speculation.propose(context, room, constraint, cached)
+    return speculation.propose(context, room, constraint, cached, left)
 
 
 def feed(

@@ -159,6 +159,28 @@ def test_the_budget_weighs_the_drafts_own_steps() -> None:
     assert fixed.k() == 3  # draft:NAME:N drafts N, whatever it costs
 
 
+def test_a_draft_reads_a_long_prompt_only_where_the_reply_pays_it_back() -> None:
+    """The draft must read the prompt before its first proposal; that read is weighed
+    against what drafting saves over the tokens the reply may still take."""
+    auto = parse_speculative("draft:fake")
+    costs, drafting = PassCosts(), DraftCosts(prior_share=0.1)
+    budget = DraftBudget(auto, costs, drafting)
+    costs.record_step(0.010)
+    for k in range(1, 9):
+        costs.record_pass(k, 0.010 * (1 + 0.1 * k))
+    drafting.record(4, 0.004)
+    for _ in range(10):
+        budget.record(4, 3)
+    k = budget.k()
+    assert k >= 1
+    assert budget.pays_back(1, k, 5) and budget.pays_back(2, k, 5)  # caught up: no read
+    assert budget.pays_back(500, k, None)  # no limit known: the read is spread over it
+    drafting.record_read(100, 0.1)  # 1 ms a token: a tenth of a model step
+    assert not budget.pays_back(500, k, 4)  # 50 steps of reading for 4 tokens
+    assert budget.pays_back(500, k, 4000)
+    assert DraftBudget(parse_speculative("draft:fake:3"), costs, drafting).pays_back(500, 3, 4)
+
+
 # -- the draft's cache, step by step -------------------------------------------------------
 
 
