@@ -29,6 +29,8 @@ __all__ = ["DraftModel"]
 logger = logging.getLogger(__name__)
 
 _SYNC_TIMED = 2  # a proposal whose catch-up read more tokens than this is not timed whole
+_READ_TIMED = 32  # catch-up reads this long or longer time a batched read per token
+_CALIBRATION = 64  # tokens read (twice) at load to time a batched read
 
 
 class DraftModel:
@@ -55,6 +57,24 @@ class DraftModel:
         self._tokens: list[int] = []  # the tokens in the draft's cache, in order
         self._trusted = 0  # leading tokens of _tokens last seen equal to the target's
         self._closed = False
+        self._time_a_read()
+
+    def _time_a_read(self) -> None:
+        """Time a batched read at load (the second of two, the first having warmed the
+        engine): whether reading a prompt pays back is weighed with it (``DraftBudget
+        .pays_back``), and a draft that is never let read would never measure one."""
+        n = min(_CALIBRATION, self.backend.n_ctx - 1, self.backend.tokenizer.n_vocab - 1)
+        if n < _READ_TIMED:
+            return
+        ids = list(range(1, n + 1))
+        try:
+            for _ in range(2):
+                self.backend.rewind(0)
+                start = time.perf_counter()
+                self.backend.prefill(ids)
+            self.costs.record_read(n, time.perf_counter() - start)
+        finally:
+            self.backend.rewind(0)
 
     def matches(self, named: str) -> bool:
         """Whether a request's ``draft:NAME`` names this draft model."""
@@ -94,7 +114,8 @@ class DraftModel:
         if read <= _SYNC_TIMED:
             self.costs.record(len(drafts), end - start)
         else:  # a long catch-up (the prompt) is not a draft step's cost: timed apart
-            self.costs.record_read(read, synced - start)
+            if read >= _READ_TIMED:  # a short one is mostly a step's fixed cost
+                self.costs.record_read(read, synced - start)
             if len(drafts) > 1:
                 self.costs.record(len(drafts) - 1, end - synced)
         return drafts

@@ -325,7 +325,7 @@ class Engine:
         assert seq is not None and request is not None and slot.token is not None
         history, spec = slot.history, request.speculation
         room = self._backend.n_ctx - len(history.tokens) - 2  # a draft never fills the context
-        left = request.sampler.config.max_new_tokens - len(seq.generated)
+        left = min(request.sampler.config.max_new_tokens - len(seq.generated), room)
         drafts = draft(spec, seq.context, room, request.sampler.constraint, history.tokens, left)
         rows = feed(slot.view, slot.token, drafts, spec)  # type: ignore[arg-type]
         history.tokens.append(slot.token)

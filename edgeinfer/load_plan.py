@@ -139,7 +139,7 @@ def routed(
         single = route_for(model, named, config.device, engine=engine, machine=machine)
         if single.format != route.format:
             route, source = single, named
-            fitted = _fitted(source, *fit, 1)
+            fitted = _fitted(source, *fit, 1, shape)
     return source, route, fitted
 
 
@@ -253,7 +253,14 @@ def transcoded_catalog_model(source: ModelSource, kv_dtype: str = "float32") -> 
             source.name,
             folder,
         )
-        _build_native(source.path, folder, kv_dtype)
+        try:
+            _build_native(source.path, folder, kv_dtype)
+        except OSError as exc:  # a home that cannot be written, a full disk
+            raise ModelLoadError(
+                f"{source.name}: cannot build its ONNX graph in {folder}: {exc}; free some "
+                "space, set EDGEINFER_HOME to a writable folder, or load it with "
+                "engine='llama.cpp'"
+            ) from exc
     return ModelSource(source.name, folder, "onnx", Manifest.read(folder))
 
 

@@ -147,8 +147,12 @@ class OrtBackend:
         does, bit for bit, it runs alone (a second row has a price: benchmarks/lone_steps.py);
         where it does not (onnxruntime's 4-bit kernels for one row differ on
         some CPUs), every step pairs it, so a reply does not depend on what runs beside it."""
-        rows = self._rows  # the slots and a spare row, allocated whatever the probe says
+        rows = self._rows  # the slots and a spare row (only its entry 0 is ever written)
         if rows is None:
+            return
+        if self._info["provider"] != "CPUExecutionProvider":  # the kernels probed are the CPU's
+            self._rows = None
+            self._info["lone_steps"] = "one row"
             return
         probe, logits = [1, 2, 3, 4], []
         try:

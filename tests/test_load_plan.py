@@ -111,3 +111,20 @@ def test_devices_keeps_a_gguf_on_llama_cpp_where_load_does(
     assert route["format"] == "gguf" and "does not fit the budget" in route["why"]
     assert shown["route"]["format"] == "gguf" and "does not fit the budget" in shown["route"]["why"]
     assert shown["memory_plan"]["budget"] == 256 * 10**6
+
+
+def test_a_transcode_that_cannot_be_written_names_the_fix(
+    default_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from edgeinfer import load_plan
+    from edgeinfer.errors import ModelLoadError
+
+    def refuse(*args: Any) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setenv("EDGEINFER_HOME", str(tmp_path))
+    monkeypatch.setattr(load_plan, "_build_native", refuse)
+    source = resolve(default_gguf)
+    source = type(source)(DEFAULT_MODEL, source.path, source.format, source.header)
+    with pytest.raises(ModelLoadError, match="EDGEINFER_HOME to a writable folder"):
+        load_plan.transcoded_catalog_model(source)

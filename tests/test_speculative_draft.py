@@ -181,6 +181,16 @@ def test_a_draft_reads_a_long_prompt_only_where_the_reply_pays_it_back() -> None
     assert DraftBudget(parse_speculative("draft:fake:3"), costs, drafting).pays_back(500, 3, 4)
 
 
+def test_a_draft_times_a_batched_read_at_load_and_starts_empty() -> None:
+    """A draft that a long prompt keeps from reading would never measure a read: it is
+    timed at load, and the draft's cache is left empty."""
+    draft = CopyingBackend(boost=2.0)
+    drafter = DraftModel(draft, name="d")
+    assert drafter.costs.read_s > 0
+    assert drafter.n_past == 0 and draft.n_past == 0
+    assert drafter.behind([1, 2, 3]) == 4
+
+
 # -- the draft's cache, step by step -------------------------------------------------------
 
 
