@@ -31,8 +31,8 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 
 def decode_rate(backend: Any, prompt: list[int], steps: int, paired: bool) -> float:
     """Tokens per second of ``steps`` one-token steps after ``prompt``, pairing on or off."""
-    backend._rows = backend.n_slots + 1 if paired else None
     backend.rewind(0, 0)
+    backend._pair(paired)
     backend.prefill(prompt, 0)
     start = time.perf_counter()
     for i in range(steps):

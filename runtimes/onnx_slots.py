@@ -6,11 +6,11 @@ from the lowest listed slot to the highest as one [n, ...] tensor, past and pres
 memory, so GroupQueryAttention reads and writes each row in place at the length its mask row
 gives it (``seqlens_k``; the rotary positions follow from it too).
 
-A step never carries one row alone: onnxruntime's 4-bit ``MatMulNBits`` computes a one-row
-product with another kernel on some CPUs (AVX2: a dedicated M=1 kernel) than a product of two or
-more rows, whose rows agree bit for bit whatever their number. So a lone slot's step spans one
-more row (the next slot's, or a spare row past the last slot that no sequence uses), and a
-sequence gives the same tokens alone as beside any others.
+On CPUs where onnxruntime's 4-bit ``MatMulNBits`` computes a one-row product with another
+kernel (AVX2: a dedicated M=1 kernel) than a product of two or more rows, whose rows agree bit
+for bit whatever their number, a step never carries one row alone: a lone slot's step spans
+one more row (a neighbour slot's, or at one slot a spare row that no sequence uses), and a
+sequence gives the same tokens alone as beside any others. The backend probes this at load.
 
 Rows inside that span whose slots are not in the step (idle rows) ride along as padding: each
 gets one token at position 0 (mask row [1, 0, ...]), so it attends to itself only and writes
@@ -94,8 +94,8 @@ def plan_step(
 ) -> Step:
     """The batched step appending token t to slot s for each (s, t) in ``steps``; every
     request is checked before anything runs (InvalidRequestError). ``rows``: the cache's rows
-    when it has more than the slots (a spare row past them): the step then spans at least
-    two rows."""
+    (the slots, or the slots and a spare row), given where a lone step is paired: the step
+    then spans at least two rows."""
     if len(steps) == 0:
         raise InvalidRequestError("decode_many needs at least one (slot, token) step")
     tokens: dict[int, int] = {}

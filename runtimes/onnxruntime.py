@@ -110,7 +110,7 @@ class OrtBackend:
         self._shared = arch.kv_cache == "shared"
         self._n_slots = config.parallel
         check_slots(self._session, self._n_slots, self._shared)
-        self._rows = self._n_slots + 1 if self._shared and not fixed_batch(self._session) else None
+        self._rows: int | None = None  # the cache's rows where lone steps are paired
         if self._shared:
             check_shared_context(self._n_ctx, arch)
         # graphs that take num_logits_to_keep (the native builder's) compute one position's
@@ -120,7 +120,7 @@ class OrtBackend:
         self._last_only = self._counted or returns_last_position_only(self._session)
         self._binding = self._session.io_binding()
         # one logits row per slot: a one-token run (or a batched step) writes its rows here
-        self._logits = np.empty((self._rows or self._n_slots, 1, arch.vocab_size), np.float32)
+        self._logits = np.empty((self._n_slots + 1, 1, arch.vocab_size), np.float32)
         # (first row, rows) the cache and logits are bound for; None: bound for nothing
         self._bound: tuple[int, int] | None = None
         self._cache = self._slot_cache() if self._shared else None
@@ -142,36 +142,59 @@ class OrtBackend:
         self._pair_lone_rows()
 
     def _pair_lone_rows(self) -> None:
-        """Whether a lone sequence's step must carry a second row (``onnx_slots``): probed
-        once, on the empty cache. Where a one-row step computes as a row of a longer one
-        does, bit for bit, it runs alone (a second row has a price: benchmarks/lone_steps.py);
-        where it does not (onnxruntime's 4-bit kernels for one row differ on
-        some CPUs), every step pairs it, so a reply does not depend on what runs beside it."""
-        rows = self._rows  # the slots and a spare row (only its entry 0 is ever written)
-        if rows is None:
+        """Whether a lone sequence's step must carry a second row (``onnx_slots``), probed
+        once at load on a small scratch cache of two rows. Where a one-row step computes as
+        a row of a longer one does, bit for bit, it runs alone (a second row has a price:
+        benchmarks/lone_steps.py); where it does not (onnxruntime's 4-bit kernels for one
+        row differ on some CPUs), every lone step is paired with a neighbour slot's row, or
+        at ``parallel=1`` with a spare row (one more context of KV cache than the memory
+        plan counts, said in the log), so a reply does not depend on what runs beside it."""
+        self._info["lone_steps"] = "one row"
+        if not self._shared or fixed_batch(self._session):  # one row per run, always
             return
         if self._info["provider"] != "CPUExecutionProvider":  # the kernels probed are the CPU's
-            self._rows = None
-            self._info["lone_steps"] = "one row"
             return
-        probe, logits = [1, 2, 3, 4], []
+        if self._probe_rows_differ():
+            self._pair(True)
+            if self._n_slots == 1:
+                logger.info(
+                    "a lone step runs paired with a spare KV row: %d MB beyond the plan",
+                    self._kv_bytes_per_token * self._n_ctx // 10**6,
+                )
+            self._info["lone_steps"] = "paired"
+        logger.debug("a lone sequence's step runs %s", self._info["lone_steps"])
+
+    def _pair(self, on: bool) -> None:
+        """Lone steps paired or not; at one slot pairing needs a spare row, so the cache,
+        which must hold nothing then, is made again with one (also for tests and bench)."""
+        self._rows, self._bound = (max(self._n_slots, 2) if on else None), None
+        if on and self._cache is not None and len(self._cache.arrays[0]) < self._rows:
+            if any(self._slot_past):
+                raise EdgeInferError("the spare row is added to an empty cache only")
+            self._cache = self._slot_cache()
+
+    def _probe_rows_differ(self) -> bool:
+        """A one-row step's logits against the same step paired, on a scratch cache."""
+        arch, real, n_ctx = self._arch, self._cache, self._n_ctx
+        scratch = (arch.num_kv_heads, 8, arch.head_dim)
+        self._cache = SlotCache(self._past_names, 2, scratch, self._kv_type)
+        self._n_ctx, probe, logits = 8, [1, 2, 3, 4], []
         try:
-            for self._rows in (None, rows):
+            for self._rows in (None, 2):
                 self.rewind(0, 0)
+                self._bound = None
                 self.prefill(probe[:2], 0)
                 logits.append([np.array(self.decode(t, 0)) for t in probe[2:]])
         finally:
+            self._cache, self._n_ctx, self._rows, self._bound = real, n_ctx, None, None
             self.rewind(0, 0)
-        same = all(np.array_equal(a, b) for a, b in zip(*logits, strict=True))
-        self._rows = None if same else rows
-        self._info["lone_steps"] = "one row" if same else "paired with a spare row"
-        logger.debug("a lone sequence's step runs %s", self._info["lone_steps"])
+        return not all(np.array_equal(a, b) for a, b in zip(*logits, strict=True))
 
     def _slot_cache(self) -> SlotCache:
         """One buffer per cache tensor, every slot's whole context, allocated once."""
         arch = self._arch
         row = (arch.num_kv_heads, self._n_ctx, arch.head_dim)
-        return SlotCache(self._past_names, self._rows or self._n_slots, row, self._kv_type)
+        return SlotCache(self._past_names, max(self._rows or 0, self._n_slots), row, self._kv_type)
 
     def _open_session(self, path: Path, candidate: Candidate) -> Any:
         ort = self._ort
@@ -251,7 +274,7 @@ class OrtBackend:
 
     @property
     def kv_nbytes(self) -> int:
-        return self._kv_bytes_per_token * self._n_ctx * self._n_slots
+        return self._kv_bytes_per_token * self._n_ctx * max(self._rows or 0, self._n_slots)
 
     def kv_state(self) -> OnnxKVState:
         """The slots' KV cache as bytes and back (``runtimes.base.KVState``)."""

@@ -73,11 +73,10 @@ def folder(tiny_llama_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 def _lone_and_paired(backend: OrtBackend, prompt: list[int], tokens: list[int]) -> list[bool]:
     """Whether each token's logits are bit for bit the same run alone and paired, in slot 0."""
-    spare = backend.n_slots + 1
     runs = []
-    for rows in (None, spare):
-        backend._rows = rows
+    for paired in (False, True):
         backend.rewind(0, 0)
+        backend._pair(paired)
         backend.prefill(prompt, 0)
         runs.append([np.array(backend.decode(t, 0)) for t in tokens])
     backend.rewind(0, 0)
@@ -90,16 +89,16 @@ def test_the_load_probe_says_what_the_kernels_do(folder: Path) -> None:
         kept = backend._rows
         lone = backend.info["lone_steps"]
         same = _lone_and_paired(backend, [5, 9, 11], [7, 3, 250])
-        assert lone == ("one row" if all(same) else "paired with a spare row")
+        assert lone == ("one row" if all(same) else "paired")
         assert (kept is None) == all(same)
     finally:
         backend.close()
 
 
 def test_paired_steps_keep_every_other_slot_and_give_the_lone_logits(folder: Path) -> None:
-    """Pairing on: slot 0's steps ride beside slot 1's row (which holds a sequence: its entry
-    0 is written by the padding token and put back), slot 2's beside the spare row; every
-    sequence then continues as a lone one does."""
+    """Pairing on: slot 0's steps ride beside slot 1's row and slot 1's and 2's beside a
+    neighbour's, each holding a sequence (its entry 0 written by the padding token and put
+    back); every sequence then continues as a lone one does. At one slot, the spare row."""
     many = _backend(folder, 3)
     one = _backend(folder, 1)
     try:
@@ -111,7 +110,7 @@ def test_paired_steps_keep_every_other_slot_and_give_the_lone_logits(folder: Pat
             one.rewind(0)
             one.prefill(prompt)
             want.append([np.array(one.decode(t)) for t in tokens])
-        many._rows = many.n_slots + 1
+        many._pair(True)
         for slot, prompt in enumerate(prompts):
             many.prefill(prompt, slot)
         got: list[list[np.ndarray]] = [[], [], []]
@@ -123,6 +122,13 @@ def test_paired_steps_keep_every_other_slot_and_give_the_lone_logits(folder: Pat
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
                 assert int(np.argmax(a)) == int(np.argmax(b))
         assert [many.slot_past(s) for s in range(3)] == [len(p) + 4 for p in prompts]
+        one.rewind(0)
+        one._pair(True)  # one slot: a spare row, the cache made again while empty
+        assert len(one._cache.arrays[0]) == 2 and one.kv_nbytes == 2 * many.kv_nbytes // 3
+        one.prefill(prompts[0])
+        for t, w in zip(tokens, want[0], strict=True):
+            got1 = np.array(one.decode(t))
+            np.testing.assert_allclose(got1, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()))
     finally:
         many.close()
         one.close()
