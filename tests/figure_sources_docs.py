@@ -265,6 +265,7 @@ DOCS_SPECS: list[Spec] = [
     spec(
         "docs/speculative.md",
         "The draft must read the whole prompt before its first proposal",
+        given("3%", "the target of the speculative-decoding issue for auto on open chat"),
         times(lo(each(*[_draft_over_plain(t) for t in SPEC_TASKS]))),
         times(hi(each(*[_draft_over_plain(t) for t in SPEC_TASKS]))),
         times(
