@@ -192,8 +192,7 @@ def main() -> int:
     }
     kept = earlier_results(args.output, {r["route"] for r in results})
     record["results"] = kept + results
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(record, indent=1) + "\n")
+    conditions.write(args.output, record)
     print(f"written to {args.output}", file=sys.stderr)
     return 0
 

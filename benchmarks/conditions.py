@@ -9,12 +9,14 @@ run's threads means something else ran beside it."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shlex
 import sys
 import time
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 QUIET_LOAD = 1.5  # load average (1 min) at the start of a run on a quiet machine
@@ -88,3 +90,12 @@ def finish(conditions: dict[str, Any]) -> dict[str, Any]:
     if not conditions["quiet"]:
         conditions["label"] = "loaded: no target is declared met from this run"
     return conditions
+
+
+def write(path: Path, record: dict[str, Any]) -> None:
+    """``record`` as ``path``'s JSON, whole or not at all: written beside it, then moved
+    over it, so an interrupted run leaves the previous file as it was."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(record, indent=1) + "\n")
+    partial.replace(path)

@@ -95,8 +95,7 @@ def main() -> int:
         "runs": runs,
         "conditions": conditions.finish(cond),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    conditions.write(args.out, record)
     print(json.dumps(record["summary"], indent=1))
     return 0
 

@@ -211,10 +211,7 @@ def main() -> None:
     result = {"conditions": conditions.finish(run), "model": args.model, "draft": args.draft,
               "peer": {"binary": BINARY, "source": source, "methods": PEER_METHODS},
               "pairs": pairs, "summary": summarize(rounds, pairs), "rounds": rounds}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(args.out)
+    conditions.write(args.out, result)
     print(json.dumps(result["summary"], indent=1))
 
 

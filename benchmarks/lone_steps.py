@@ -12,7 +12,6 @@ the backend's own step (no sampling): the price paid on CPUs that need it, measu
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -82,8 +81,7 @@ def main() -> int:
         "results": results,
         "conditions": conditions.finish(cond),
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(record, indent=1) + "\n")
+    conditions.write(args.output, record)
     for r in results:
         print(
             f"threads {r['threads']}: paired/alone {r['paired_over_alone_median']}", file=sys.stderr

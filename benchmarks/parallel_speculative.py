@@ -87,10 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "runs": runs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(args.out)
+    conditions.write(args.out, result)
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -265,8 +265,7 @@ def main() -> int:
             burst = first[name, p]
             over = burst["aggregate_tok_s"] / later
             report[key][str(p)]["first_burst"] = {**burst, "over_later_median": over}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    conditions.write(args.out, report)
     _print(report, servers)
     return 0
 

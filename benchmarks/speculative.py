@@ -301,10 +301,7 @@ def main() -> None:
     summary = summarize(rounds, settings)
     result = {"conditions": conditions.finish(run), "model": args.model, "settings": settings,
               "per_task": args.per_task, "summary": summary, "rounds": rounds}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(args.out)
+    conditions.write(args.out, result)
     print(json.dumps(result["summary"], indent=1))
 
 
