@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import re
 import statistics
 import subprocess
@@ -27,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from conditions import finish, start, write
 
 RESULTS = Path(__file__).parent / "results" / "batch_job.json"
 LABELS = ["billing", "bug", "account", "feature", "other"]
@@ -61,7 +61,8 @@ for row in rows:
                         max_new_tokens=row["max_tokens"])
     labels.append(result.text)
 t2 = time.perf_counter()
-print(json.dumps({"load_s": t1 - t0, "job_s": t2 - t1, "labels": labels}))
+route = {"backend": model.info.get("backend"), "route": model.info.get("route")}
+print(json.dumps({"load_s": t1 - t0, "job_s": t2 - t1, "labels": labels, "route": route}))
 """
 
 
@@ -112,16 +113,24 @@ def run_batch(
     }
 
 
-def machine() -> dict[str, Any]:
-    import edgeinfer
+_ROUTE = """
+import json, sys
+import edgeinfer
+with edgeinfer.load(sys.argv[1], threads=int(sys.argv[2]), context_length=int(sys.argv[3]),
+                    parallel=int(sys.argv[4])) as model:
+    print(json.dumps({"backend": model.info.get("backend"), "route": model.info.get("route")}))
+"""
 
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "load_average_at_start": os.getloadavg(),
-        "edgeinfer": edgeinfer.__version__,
-    }
+
+def batch_route(model: str, parallel: int, threads: int, context: int) -> dict[str, Any]:
+    """The route ``edgeinfer batch --parallel N`` opens: the same ``load()`` options."""
+    done = subprocess.run(
+        [sys.executable, "-c", _ROUTE, model, str(threads), str(context), str(parallel)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(done.stdout.splitlines()[-1])
 
 
 def main() -> None:
@@ -134,7 +143,7 @@ def main() -> None:
     parser.add_argument("--context-length", type=int, default=1024, help="per sequence")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    info = machine()
+    conditions = start(args.threads, args.rounds)
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "tickets.jsonl"
@@ -145,7 +154,8 @@ def main() -> None:
             batch = run_batch(
                 args.model, src, out, args.parallel, args.threads, args.context_length
             )
-            same = sum(a == b for a, b in zip(loop["labels"], batch["labels"], strict=True))
+            pairs = list(zip(loop["labels"], batch["labels"], strict=True))
+            same = sum(a == b for a, b in pairs)
             rounds.append(
                 {
                     "loop_job_s": loop["job_s"],
@@ -156,23 +166,27 @@ def main() -> None:
                     "speedup": loop["job_s"] / batch["job_s"],
                     "labels_same": same / args.rows,
                     "label_counts_batch": {k: batch["labels"].count(k) for k in LABELS},
+                    "rows_differing": [i for i, (a, b) in enumerate(pairs) if a != b][:50],
+                    "loop_route": loop["route"],
                 }
             )
             print(f"round {r + 1}: {json.dumps(rounds[-1])}", file=sys.stderr)
+    conditions = finish(conditions)
+    route = batch_route(args.model, args.parallel, args.threads, args.context_length)
     result = {
         "what": "1,000 ticket classifications (choice of 5 labels): edgeinfer batch --parallel "
         "N against a loop of model.chat() calls, same model, greedy, same threads",
         "command": " ".join(["python", "benchmarks/batch_job.py", *sys.argv[1:]]),
         "settings": vars(args) | {"out": str(args.out)},
-        "machine": info,
-        "load_average_at_end": os.getloadavg(),
+        "conditions": conditions,
+        "batch_route": route,
+        "same_route": all(r["loop_route"] == route for r in rounds),
         "rounds": rounds,
         "median_speedup": statistics.median(r["speedup"] for r in rounds),
         "median_batch_rows_per_s": statistics.median(args.rows / r["batch_job_s"] for r in rounds),
         "median_loop_rows_per_s": statistics.median(args.rows / r["loop_job_s"] for r in rounds),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write(args.out, result)
     print(
         f"batch --parallel {args.parallel}: {result['median_batch_rows_per_s']:.1f} rows/s, "
         f"loop: {result['median_loop_rows_per_s']:.1f} rows/s, "
