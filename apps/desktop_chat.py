@@ -20,7 +20,7 @@ from tkinter import filedialog, ttk
 from typing import Any
 
 import edgeinfer
-from edgeinfer import catalog
+from edgeinfer.files import catalog
 
 POLL_MS = 30
 _NOT_CHAT = (

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import edgeinfer
-from edgeinfer import catalog
 from edgeinfer.bench.workload import end_of_generation_ids, prompt_ids
-from edgeinfer.inventory import devices
+from edgeinfer.files import catalog
+from edgeinfer.machine.inventory import devices
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import conditions

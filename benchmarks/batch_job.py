@@ -79,14 +79,15 @@ def tickets(n: int) -> list[dict[str, Any]]:
     return rows
 
 
-def run_loop(model: str, src: Path, threads: int, context: int) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, "-c", _LOOP, model, str(src), str(threads), str(context)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+def _script(script: str, *args: object) -> dict[str, Any]:
+    """The JSON last line of ``script`` run in a fresh process with ``args``."""
+    command = [sys.executable, "-c", script, *map(str, args)]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def run_loop(model: str, src: Path, threads: int, context: int) -> dict[str, Any]:
+    return _script(_LOOP, model, src, threads, context)
 
 
 def run_batch(
@@ -124,13 +125,7 @@ with edgeinfer.load(sys.argv[1], threads=int(sys.argv[2]), context_length=int(sy
 
 def batch_route(model: str, parallel: int, threads: int, context: int) -> dict[str, Any]:
     """The route ``edgeinfer batch --parallel N`` opens: the same ``load()`` options."""
-    done = subprocess.run(
-        [sys.executable, "-c", _ROUTE, model, str(threads), str(context), str(parallel)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(done.stdout.splitlines()[-1])
+    return _script(_ROUTE, model, threads, context, parallel)
 
 
 def main() -> None:

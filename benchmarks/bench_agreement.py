@@ -53,10 +53,10 @@ def main() -> int:
     )
     args = parser.parse_args()
     import edgeinfer
-    from edgeinfer import catalog
     from edgeinfer.converters.config import ConvertConfig
     from edgeinfer.converters.validate import ModelReference, compare, open_result
-    from edgeinfer.manifest import Manifest
+    from edgeinfer.files import catalog
+    from edgeinfer.files.manifest import Manifest
     from edgeinfer.runtimes import llama_cpp
 
     gguf = catalog.fetch(catalog.DEFAULT_MODEL)

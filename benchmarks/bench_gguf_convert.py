@@ -23,7 +23,7 @@ CHILD = r"""
 import json, sys, time
 from pathlib import Path
 from edgeinfer.converters.gguf.writer import quantize_gguf, write_gguf
-from edgeinfer.rss import peak_rss
+from edgeinfer.memory.rss import peak_rss
 src, out, outtype, quant = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
 t = time.perf_counter()
 write_gguf(src, out, outtype)

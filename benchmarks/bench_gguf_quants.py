@@ -28,7 +28,7 @@ PROMPT = "The capital of France is"
 
 
 def default_f16() -> Path:
-    from edgeinfer import catalog
+    from edgeinfer.files import catalog
 
     entry = catalog.CATALOG[catalog.DEFAULT_MODEL]
     assert entry.sha256 is not None

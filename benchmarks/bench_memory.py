@@ -26,7 +26,7 @@ from typing import Any
 CHILD = r"""
 import json, sys
 import edgeinfer
-from edgeinfer.rss import peak_rss
+from edgeinfer.memory.rss import peak_rss
 model, budget, ctx, batch = sys.argv[1:5]
 fill, threads = float(sys.argv[5]), int(sys.argv[6])
 kw = {}
@@ -35,7 +35,7 @@ if budget != "-":
 if ctx != "-":
     kw["context_length"] = int(ctx)
 if batch != "-":  # calibration only: force the prefill batch through the plan's result
-    import edgeinfer.memory as m
+    import edgeinfer.memory.plan as m
     m._BATCHES = (int(batch),)
 with edgeinfer.load(model, threads=threads, **kw) as llm:
     plan = llm.info["memory_plan"]
@@ -60,7 +60,7 @@ def rss():
 steps = {"python": rss()}
 import edgeinfer
 from edgeinfer.loader import resolve
-from edgeinfer.rss import peak_rss
+from edgeinfer.memory.rss import peak_rss
 steps["import edgeinfer (numpy, psutil)"] = rss()
 source = resolve(sys.argv[1])
 if source.format == "gguf":

@@ -138,8 +138,8 @@ def main() -> int:
         "--out", type=Path, default=Path(__file__).parent / "results" / "native-onnx.json"
     )
     args = parser.parse_args()
-    from edgeinfer import catalog
     from edgeinfer.converters.onnx.folder import write_gguf_folder
+    from edgeinfer.files import catalog
 
     gguf = catalog.fetch(catalog.DEFAULT_MODEL)
     with tempfile.TemporaryDirectory() as tmp:

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from edgeinfer import catalog
+from edgeinfer.files import catalog
 
 OUT = Path(__file__).parent / "results" / "bench-parallel.json"
 PARALLEL = "1,2,4,8"

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 import edgeinfer
-from edgeinfer.sampling import Sampler, SamplingConfig
+from edgeinfer.generation.sampling import Sampler, SamplingConfig
 
 SETTINGS: dict[str, dict[str, object]] = {
     "greedy": {"temperature": 0},

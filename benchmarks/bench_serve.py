@@ -129,7 +129,7 @@ def main() -> int:
         "--out", type=Path, default=Path(__file__).parent / "results" / "serve.json"
     )
     args = parser.parse_args()
-    from edgeinfer import catalog
+    from edgeinfer.files import catalog
 
     gguf = catalog.fetch(catalog.DEFAULT_MODEL)
     server, url = _start_server(gguf, args.threads)

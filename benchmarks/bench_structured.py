@@ -44,7 +44,7 @@ MESSAGES = [
 
 
 def _llguidance_cost(model: Any, tokens: list[int]) -> dict[str, float]:
-    from edgeinfer.structured import compile_constraint
+    from edgeinfer.generation.structured import compile_constraint
 
     fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
     t0 = time.perf_counter()
@@ -106,7 +106,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     import edgeinfer
-    from edgeinfer import catalog
+    from edgeinfer.files import catalog
 
     gguf = catalog.fetch(catalog.DEFAULT_MODEL)
     fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA}}

@@ -10,7 +10,7 @@
   (A B C C B A ...), one warm-up pass and 5 measured passes each; medians and ranges, and
   the ratio within each round (robust to a load that drifts between rounds);
 - the GGUF route (``edgeinfer-gguf``): the same weights converted once to a float32 BERT GGUF
-  (``edgeinfer.embedding_gguf.derived_encoder_gguf``) run in llama.cpp's embedding mode,
+  (``edgeinfer.embedding.gguf.derived_encoder_gguf``) run in llama.cpp's embedding mode,
   when llama-cpp-python and gguf are installed. Each engine's lowest cosine to
   sentence-transformers (torch) stands beside its rate in the summary.
 
@@ -63,9 +63,9 @@ MULTILINGUAL = [
 
 def gguf_path() -> Path:
     """The catalog model's folder as a GGUF, converted once into $EDGEINFER_HOME/derived."""
-    from edgeinfer import catalog
-    from edgeinfer.embedding_gguf import derived_encoder_gguf
-    from edgeinfer.encoder_folder import read_encoder_folder
+    from edgeinfer.embedding.gguf import derived_encoder_gguf
+    from edgeinfer.files import catalog
+    from edgeinfer.files.encoder_folder import read_encoder_folder
 
     return derived_encoder_gguf(MODEL, read_encoder_folder(catalog.fetch(MODEL)))
 
@@ -82,7 +82,7 @@ def _encoder(engine: str, threads: int, st_onnx: str | None) -> Any:
     torch.set_num_threads(threads)
     from sentence_transformers import SentenceTransformer
 
-    from edgeinfer import catalog
+    from edgeinfer.files import catalog
 
     folder = str(catalog.fetch(MODEL))
     kwargs: dict[str, Any] = {}
@@ -118,7 +118,7 @@ def export_st_onnx(dest: Path) -> None:
     """sentence-transformers' own ONNX export (optimum), saved once for the run."""
     from sentence_transformers import SentenceTransformer
 
-    from edgeinfer import catalog
+    from edgeinfer.files import catalog
 
     st = SentenceTransformer(str(catalog.fetch(MODEL)), device="cpu", backend="onnx")
     st.save_pretrained(str(dest))

@@ -143,7 +143,7 @@ def _quantize_time(source: Path) -> dict[str, Any]:
     """CPU seconds of the searched quantizer on the largest tensor (the embedding)."""
     from edgeinfer.converters.onnx.builder.tensors import GGUFTensors
     from edgeinfer.converters.onnx.quantize import quantize_searched
-    from edgeinfer.gguf_file import read_gguf_header
+    from edgeinfer.files.gguf_file import read_gguf_header
 
     tensors = GGUFTensors(read_gguf_header(source), lambda: None)
     t = tensors.info("token_embd.weight")
@@ -211,7 +211,7 @@ def _same_floats(source: Path, hf: Path) -> dict[str, float]:
     from safetensors.numpy import load_file
 
     from edgeinfer.converters.onnx.builder.tensors import GGUFTensors
-    from edgeinfer.gguf_file import read_gguf_header
+    from edgeinfer.files.gguf_file import read_gguf_header
 
     header = read_gguf_header(source)
     tensors = GGUFTensors(header, lambda: None)
@@ -288,8 +288,8 @@ def main() -> int:
 def _run(args: argparse.Namespace) -> int:
     import onnxruntime
 
-    from edgeinfer import catalog
     from edgeinfer.converters.sources.gguf_float import cached_float_gguf
+    from edgeinfer.files import catalog
 
     gguf = catalog.fetch(catalog.DEFAULT_MODEL)
     derived = gguf_derived()
@@ -346,7 +346,7 @@ def _write(out: Path, report: dict[str, Any]) -> None:
 
 def gguf_derived() -> Path:
     """Where the tests keep the default model's conversions (the genai folder among them)."""
-    from edgeinfer import catalog
+    from edgeinfer.files import catalog
 
     entry = catalog.CATALOG[catalog.DEFAULT_MODEL]
     assert entry.sha256 is not None

@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import conditions
 
-from edgeinfer import catalog
+from edgeinfer.files import catalog
 
 
 def peer_once(binary: Path, gguf: str, args: argparse.Namespace) -> dict[str, float]:

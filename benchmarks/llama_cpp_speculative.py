@@ -53,7 +53,7 @@ _COUNTS = {key: re.compile(rf"\b{key}\s*=\s*(\d+)") for key in ("n_drafted", "n_
 
 
 def source_dir() -> Path:
-    from edgeinfer.catalog import edgeinfer_home
+    from edgeinfer.files.catalog import edgeinfer_home
 
     version = metadata.version("llama_cpp_python")
     return edgeinfer_home() / "peers" / f"llama.cpp-{version}-src"
@@ -89,7 +89,7 @@ def peer_run(binary: Path, method: str, prompt: str, plain: str, schema: dict[st
              args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
     """One generation by the peer: decode tokens/s, drafted and accepted tokens, and whether
     its text holds edgeinfer's plain decoding's (``plain``) whole."""
-    from edgeinfer.catalog import local_path, lookup
+    from edgeinfer.files.catalog import local_path, lookup
 
     def gguf(name: str) -> str:
         entry = lookup(name)

@@ -51,9 +51,9 @@ PROMPTS = [
 
 def _backend(path: Path, parallel: int, *, fa: bool, unified: bool, module: Any = None) -> Any:
     from edgeinfer.config import LoadConfig
-    from edgeinfer.gguf_file import read_gguf_header
-    from edgeinfer.inventory import devices
-    from edgeinfer.policy import plan_providers
+    from edgeinfer.files.gguf_file import read_gguf_header
+    from edgeinfer.machine.inventory import devices
+    from edgeinfer.machine.policy import plan_providers
 
     if module is None:
         from edgeinfer.runtimes import llama_cpp as module
@@ -253,7 +253,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(_worker(json.loads(args.worker))))
         return
-    from edgeinfer import catalog
+    from edgeinfer.files import catalog
 
     os.environ["EDGEINFER_BENCH_THREADS"] = str(args.threads)  # for the workers
 

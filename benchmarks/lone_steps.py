@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import edgeinfer
-from edgeinfer.catalog import DEFAULT_MODEL
+from edgeinfer.files.catalog import DEFAULT_MODEL
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import conditions

@@ -31,6 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import conditions
+from bench_cli import edgeinfer_runs
 
 ROUTES = {"gguf": "llama.cpp", "onnx": "onnxruntime"}
 
@@ -71,22 +72,11 @@ print(1e6 * (time.perf_counter() - start) / len(r.token_ids))
 def bench_once(python: str, model: str, engine: str, args: argparse.Namespace) -> dict[str, Any]:
     """One ``edgeinfer bench`` run (``--repetitions`` measured runs after one warm-up, each a
     fresh process): the medians of its runs."""
-    command = [
-        python, "-m", "edgeinfer", "bench", model, "--engine", engine,
-        "-p", str(args.prompt_tokens), "-n", str(args.new_tokens),
-        "-r", str(args.repetitions), "--warmup", "1", "--threads", str(args.threads), "--json",
+    options = [
+        model, "--engine", engine, "-p", str(args.prompt_tokens), "-n", str(args.new_tokens),
+        "-r", str(args.repetitions), "--warmup", "1", "--threads", str(args.threads),
     ]  # fmt: skip
-    # run outside the checkout: `python -m` puts the working folder first on sys.path, where
-    # this checkout's edgeinfer/ would shadow the baseline's installed one
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
-                          cwd=tempfile.gettempdir())  # fmt: skip
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
-    report = json.loads(done.stdout)
-    rows = [r for r in report["results"] if r.get("engine") == "edgeinfer"]
-    if len(rows) != 1:
-        raise SystemExit(f"expected one edgeinfer row, got {len(rows)}: {done.stdout[:500]}")
-    runs = rows[0]["runs"]
+    runs = edgeinfer_runs(options, timeout=args.timeout, python=python)
     return {
         "decode_tok_s": statistics.median(float(r["decode_tok_s"]) for r in runs),
         "prefill_tok_s": statistics.median(float(r["prefill_tok_s"]) for r in runs),

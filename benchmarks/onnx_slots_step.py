@@ -47,8 +47,8 @@ _TEXT = (
 
 def _open(folder: Path, parallel: int, threads: int) -> Any:
     from edgeinfer.config import LoadConfig
-    from edgeinfer.manifest import Manifest
-    from edgeinfer.policy import Candidate
+    from edgeinfer.files.manifest import Manifest
+    from edgeinfer.machine.policy import Candidate
     from edgeinfer.runtimes.onnxruntime import open_backend
 
     config = LoadConfig(context_length=1024, threads=threads, parallel=parallel)
@@ -179,9 +179,9 @@ def main() -> None:
     args = parser.parse_args()
     import onnxruntime
 
-    from edgeinfer import catalog
+    from edgeinfer.files import catalog
+    from edgeinfer.files.source import resolve
     from edgeinfer.loader import transcoded_catalog_model
-    from edgeinfer.model_source import resolve
 
     folder = transcoded_catalog_model(resolve(catalog.DEFAULT_MODEL)).path
     many = _open(folder, 8, args.threads)

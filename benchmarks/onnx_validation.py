@@ -23,7 +23,7 @@ QUANTS = ("fp32", "int8wo", "int8", "int4")
 
 
 def default_derived() -> Path:
-    from edgeinfer import catalog
+    from edgeinfer.files import catalog
 
     entry = catalog.CATALOG[catalog.DEFAULT_MODEL]
     assert entry.sha256 is not None

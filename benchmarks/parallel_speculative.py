@@ -14,31 +14,24 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import conditions
+from bench_cli import edgeinfer_runs
 
 
 def bench_once(setting: str, args: argparse.Namespace) -> float:
     """One ``edgeinfer bench --parallel N`` run with ``setting``: aggregate decode tok/s."""
-    command = [
-        sys.executable, "-m", "edgeinfer", "bench", args.model, "--parallel", str(args.parallel),
-        "--speculative", setting, "-p", str(args.prompt_tokens), "-n", str(args.new_tokens),
-        "-r", "1", "--warmup", "1", "--threads", str(args.threads), "--json",
+    options = [
+        args.model, "--parallel", str(args.parallel), "--speculative", setting,
+        "-p", str(args.prompt_tokens), "-n", str(args.new_tokens), "-r", "1", "--warmup", "1",
+        "--threads", str(args.threads),
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
-                          cwd=tempfile.gettempdir())  # fmt: skip
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
-    rows = [r for r in json.loads(done.stdout)["results"] if r.get("engine") == "edgeinfer"]
-    if len(rows) != 1:
-        raise SystemExit(f"expected one edgeinfer row, got {len(rows)}")
-    return statistics.median(float(r["decode_tok_s"]) for r in rows[0]["runs"])
+    runs = edgeinfer_runs(options, timeout=args.timeout)
+    return statistics.median(float(r["decode_tok_s"]) for r in runs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -228,7 +228,7 @@ def main() -> int:
         "--out", type=Path, default=Path(__file__).parent / "results" / "serve_parallel.json"
     )
     args = parser.parse_args()
-    from edgeinfer import catalog
+    from edgeinfer.files import catalog
 
     machine = _machine()
     cond = conditions.start(args.threads, args.rounds)

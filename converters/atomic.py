@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from edgeinfer.errors import ConversionError
-from edgeinfer.manifest import PARTIAL_MARKER
+from edgeinfer.files.manifest import PARTIAL_MARKER
 
 __all__ = [
     "DiskFullError",

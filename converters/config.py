@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgeinfer.errors import ConversionError
-from edgeinfer.manifest import KV_DTYPES
+from edgeinfer.files.manifest import KV_DTYPES
 
 __all__ = [
     "BUILDERS",

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from edgeinfer.errors import ConversionError
-from edgeinfer.manifest import Manifest
+from edgeinfer.files.manifest import Manifest
 
 __all__ = ["ConversionResult", "StageCallback", "Stages", "format_report", "require_passed"]
 

@@ -39,11 +39,11 @@ import numpy as np
 
 from edgeinfer.config import LoadConfig
 from edgeinfer.errors import BackendUnavailableError, ConversionError, EdgeInferError
-from edgeinfer.inventory import devices
+from edgeinfer.files.manifest import Manifest
 from edgeinfer.loader import llama_cpp_installed, load
-from edgeinfer.manifest import Manifest
+from edgeinfer.machine.inventory import devices
+from edgeinfer.machine.policy import plan_providers
 from edgeinfer.model import Model
-from edgeinfer.policy import plan_providers
 
 from .config import ConvertConfig
 

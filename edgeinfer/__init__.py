@@ -26,14 +26,14 @@ from .errors import (
     NotAnEmbeddingModelError,
     SnapshotError,
 )
-from .generation import Chunk, GenerationResult, GenerationStats, TokenStream
-from .inventory import DeviceInventory, devices
+from .generation.results import Chunk, GenerationResult, GenerationStats, TokenStream
+from .generation.sampling import SamplingConfig
+from .generation.state import PromptCache
 from .loader import load
-from .memory import MemoryPlan
+from .machine.inventory import DeviceInventory, devices
+from .machine.policy import ProviderPlan, plan_providers
+from .memory.plan import MemoryPlan
 from .model import Model
-from .policy import ProviderPlan, plan_providers
-from .sampling import SamplingConfig
-from .state import PromptCache
 
 __version__ = "0.1.0"
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .busy import CpuShare, cpu_share
 from .errors import InvalidRequestError
-from .manifest import KV_DTYPES as MANIFEST_KV_DTYPES
+from .files.manifest import KV_DTYPES as MANIFEST_KV_DTYPES
+from .machine.busy import CpuShare, cpu_share
 
 __all__ = [
     "DEFAULT_CONTEXT_LENGTH",
@@ -57,7 +57,7 @@ class LoadConfig:
     # Prefill batch (llama.cpp n_batch/n_ubatch; ONNX prefill chunk), set by the memory plan.
     batch_size: int | None = None
     # Set by load(): re-fits the context to the memory measured once the weights are loaded
-    # (edgeinfer.memory.FitAtLoad); takes the model's trained context, returns the context.
+    # (edgeinfer.memory.plan.FitAtLoad); takes the model's trained context, returns the context.
     fit_context: Callable[[int], int] | None = field(default=None, compare=False, repr=False)
     # With threads=None: the CPU share measured the first time threads were resolved (kept
     # by dataclasses.replace, so one load samples once); backends may re-measure it later.
@@ -97,7 +97,8 @@ class LoadConfig:
     @property
     def resolved_threads(self) -> int:
         """Threads to compute with: the caller's number, else the usable cores (physical,
-        affinity, container quota) less those other processes keep busy now (``busy.py``)."""
+        affinity, container quota) less those other processes keep busy now
+        (``machine/busy.py``)."""
         if self.threads is not None:
             return self.threads
         share = self.cpu_share

@@ -20,16 +20,16 @@ from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
 
-from . import catalog
 from .config import LoadConfig
 from .errors import BackendUnavailableError, InvalidRequestError, MemoryBudgetError, ModelLoadError
-from .inventory import DeviceInventory, devices
-from .manifest import MANIFEST_NAME, PARTIAL_MARKER, Manifest
-from .memory import FRESH_PROCESS_BYTES, FitAtLoad, MemoryBudget, MemoryPlan, plan_memory
-from .model_shape import ModelShape, shape_of
-from .model_source import ModelSource
-from .policy import normalise_device
-from .routes import Route, route_on
+from .files import catalog
+from .files.manifest import MANIFEST_NAME, PARTIAL_MARKER, Manifest
+from .files.source import ModelSource
+from .machine.inventory import DeviceInventory, devices
+from .machine.policy import normalise_device
+from .machine.routes import Route, route_on
+from .memory.plan import FRESH_PROCESS_BYTES, FitAtLoad, MemoryBudget, MemoryPlan, plan_memory
+from .memory.shape import ModelShape, shape_of
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def runs_as_onnx(
     parallel: int = 1,
     engine: str = "auto",
 ) -> bool:
-    """Whether ``load()`` runs this GGUF through its ONNX transcode (see ``routes.py``)."""
+    """Whether ``load()`` runs this GGUF through its ONNX transcode (see ``machine/routes.py``)."""
     route = route_for(model, source, device, parallel=parallel, engine=engine)
     return route.format == "onnx" and source.format == "gguf"
 

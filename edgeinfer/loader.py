@@ -1,5 +1,5 @@
-"""``load()``: resolve what the user named to a model file (``model_source.py``), choose its
-route (``routes.py``), plan its memory for its sequence slots, pick its backend, open it.
+"""``load()``: resolve what the user named to a model file (``files/source.py``), choose its
+route (``machine/routes.py``), plan its memory for its sequence slots, pick its backend, open it.
 
 A catalog GGUF that runs on ONNX Runtime is transcoded once into an ONNX folder by the native
 builder (``converters/onnx/folder.py``, which never imports this module back). The backend
@@ -15,16 +15,18 @@ from os import PathLike
 from typing import TYPE_CHECKING, Any
 
 from .config import LoadConfig, check_parallel
-from .draft_model import DraftModel
-from .draft_vocab import check_files, check_tokenizers
-from .embedding_gguf import is_embedding_gguf, load_gguf_embedding
-from .embedding_load import load_encoder, refuse_generation_options
+from .embedding.gguf import is_embedding_gguf, load_gguf_embedding
+from .embedding.load import load_encoder, refuse_generation_options
 from .errors import (
     EdgeInferError,
     InvalidRequestError,
     MemoryBudgetError,
 )
-from .inventory import devices
+from .files.source import ModelSource, resolve
+from .generation.draft_model import DraftModel
+from .generation.draft_vocab import check_files, check_tokenizers
+from .generation.speculative import SpeculativeConfig, parse_speculative
+from .generation.state.prompt_cache import PromptCache
 from .load_plan import (
     native_folder_for,
     route_for,
@@ -33,15 +35,13 @@ from .load_plan import (
     source_for,
     transcoded_catalog_model,
 )
-from .memory_plan import MemoryBudget, mb
+from .machine.inventory import devices
+from .machine.policy import plan_providers
+from .machine.routes import Route, check_engine
+from .memory.budget import MemoryBudget, mb
+from .memory.rss import peak_rss
 from .model import Model
-from .model_source import ModelSource, resolve
-from .policy import plan_providers
-from .routes import Route, check_engine
-from .rss import peak_rss
 from .runtimes import open_backend
-from .speculative import SpeculativeConfig, parse_speculative
-from .state.prompt_cache import PromptCache
 
 if TYPE_CHECKING:
     from .runtimes.base import Backend
@@ -89,8 +89,8 @@ def load(
     batch up to that many per forward pass): 1 (the default) to 256, or "auto": the most
     slots, up to 8, the budget holds with 2048 tokens each (or ``context_length``).
 
-    ``engine`` picks what runs a GGUF: "auto" (the rule in ``routes.py``: a catalog GGUF on a
-    CPU runs its exact ONNX transcode), "llama.cpp" (the file) or "onnxruntime" (the
+    ``engine`` picks what runs a GGUF: "auto" (the rule in ``machine/routes.py``: a catalog GGUF
+    on a CPU runs its exact ONNX transcode), "llama.cpp" (the file) or "onnxruntime" (the
     transcode; catalog names only). ``model.info["route"]`` says which was taken and why.
 
     Memory is planned before anything is allocated (``model.info["memory_plan"]``):
@@ -248,7 +248,7 @@ def _load_embedding_model(
     spec: SpeculativeConfig,
     asked: dict[str, Any],
 ) -> Model:
-    """An encoder folder (embedding_load.py) or an encoder GGUF in llama.cpp's embedding mode:
+    """An encoder folder (embedding/load.py) or an encoder GGUF in llama.cpp's embedding mode:
     the options only generation uses (``asked``; the config's KV cache type, context length
     and flash attention) are refused when set, never ignored."""
     if spec.on:

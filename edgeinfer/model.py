@@ -12,22 +12,22 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
-from . import generation, scoring
-from ._turns import OpenStreams, Turns
 from .chat import encode_messages, render_chat
-from .delivery import Submitted
-from .embedding import EmbedResult, GivenIds, embed_for_model, require_generation
-from .engine import Engine
+from .embedding.batches import EmbedResult, GivenIds, embed_for_model, require_generation
 from .errors import EdgeInferError, InvalidRequestError
-from .generation import Chunk, GenerationResult, KVHistory, TokenStream
-from .many import Request, collect_in_order, read_request
-from .memory import MemoryPlan
-from .model_parts import attach_cache, check_flag, check_overflow, checked_token_ids, signals_held
-from .sampling import SamplingConfig
-from .scoring import Scores
-from .speculative import OFF, PassCosts, SpeculativeConfig, check_setting, for_request
-from .state import session
-from .state.sequence import SeqStates
+from .generation import scoring
+from .generation.delivery import Submitted
+from .generation.generate_many import Request, collect_in_order, read_request
+from .generation.results import Chunk, GenerationResult, KVHistory, TokenStream, check_request
+from .generation.sampling import SamplingConfig
+from .generation.scheduler import Engine
+from .generation.scoring import Scores
+from .generation.speculative import OFF, PassCosts, SpeculativeConfig, check_setting, for_request
+from .generation.state import session
+from .generation.state.sequence import SeqStates
+from .generation.turns import OpenStreams, Turns
+from .memory.budget import MemoryPlan
+from .model_guards import attach_cache, check_flag, check_overflow, checked_token_ids, signals_held
 from .tools.run import tool_chat
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ class Model:
         self._route = dict(route) if route is not None else None
         self._states: SeqStates | None = None  # save_state / load_state, made when first used
         self._disk = attach_cache(prompt_cache, backend, path, memory_plan)
-        self._spec, self._costs = speculative or OFF, PassCosts()  # see speculative.py
+        self._spec, self._costs = speculative or OFF, PassCosts()  # see generation/speculative.py
         # the one generation loop: at parallel > 1 its thread steps every caller's sequence
         # together; at parallel=1 the caller's thread steps it in its turn
         threaded = getattr(backend, "n_slots", 1) > 1
@@ -117,7 +117,7 @@ class Model:
         iteration starts."""
         if not isinstance(wait, bool):
             raise InvalidRequestError(f"wait={wait!r} is invalid: expected True or False")
-        sampler = generation.check_request(self._backend, ids, cfg)  # raises now, not at next()
+        sampler = check_request(self._backend, ids, cfg)  # raises now, not at next()
         # refuses a draft model it was not loaded with; None when it does not speculate
         spec = for_request(cfg.speculative, self._spec, self._backend, self._costs)
         cancel = threading.Event()
@@ -251,7 +251,7 @@ class Model:
                 ids, keep = self._chat_request(payload, False)
             else:
                 ids, keep = self._prompt_ids(payload), self._bos_len()
-            generation.check_request(self._backend, ids, cfg)
+            check_request(self._backend, ids, cfg)
             check_setting(cfg.speculative, self._spec)
         except InvalidRequestError as exc:
             message = str(exc)
@@ -416,7 +416,7 @@ class Model:
     ) -> Scores:
         """Log-probabilities of ``continuation``'s tokens after ``prompt`` (text, read without
         BOS, or ids), the ``top_logprobs`` likeliest tokens at each, and with ``rows`` each
-        place's whole distribution (edgeinfer.scoring)."""
+        place's whole distribution (edgeinfer.generation.scoring)."""
         ids, cont = self._prompt_ids(prompt), self._prompt_ids(continuation, add_special=False)
         with self._turn("score"):
             return scoring.score(self._backend, self._history, ids, cont, top_logprobs, rows)

@@ -70,7 +70,7 @@ def prepare(spec: dict[str, Any]) -> str | None:
                        seed=1).write(path)  # fmt: skip
         return None
     if spec.get("catalog"):
-        from edgeinfer import catalog
+        from edgeinfer.files import catalog
 
         name = spec["model"]
         entry = catalog.lookup(name)

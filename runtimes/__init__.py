@@ -16,8 +16,8 @@ from edgeinfer.errors import BackendUnavailableError, EdgeInferError
 
 if TYPE_CHECKING:
     from edgeinfer.config import LoadConfig
-    from edgeinfer.model_source import ModelSource
-    from edgeinfer.policy import ProviderPlan
+    from edgeinfer.files.source import ModelSource
+    from edgeinfer.machine.policy import ProviderPlan
 
     from .base import Backend
 

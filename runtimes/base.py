@@ -1,7 +1,7 @@
 """The backend protocol every engine implements, and the tokenizer it hands to the generator.
 
 A backend owns the engine session and the KV cache, sized once when it is opened. It does
-arithmetic only: the generator (``edgeinfer.generation``) samples, detokenizes and stops.
+arithmetic only: the generator (``edgeinfer.generation.results``) samples, detokenizes and stops.
 
 Logits are float32 numpy arrays of shape [vocab] for the last position. They may be views of
 an engine-owned buffer, valid until the next ``prefill``/``decode``/``rewind``/``close``;

@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from edgeinfer.busy import ThreadTuner
 from edgeinfer.config import LoadConfig
 from edgeinfer.errors import (
     BackendUnavailableError,
@@ -36,10 +35,11 @@ from edgeinfer.errors import (
     InvalidRequestError,
     ModelLoadError,
 )
-from edgeinfer.gguf_checks import check_gguf_model
-from edgeinfer.gguf_file import GGUFHeader
-from edgeinfer.model_shape import gguf_shape
-from edgeinfer.policy import Candidate
+from edgeinfer.files.gguf_checks import check_gguf_model
+from edgeinfer.files.gguf_file import GGUFHeader
+from edgeinfer.machine.busy import ThreadTuner
+from edgeinfer.machine.policy import Candidate
+from edgeinfer.memory.shape import gguf_shape
 
 from .base import (
     TokenizerBase,
@@ -200,7 +200,8 @@ class LlamaCppBackend:
         try:
             self._n_ctx = config.context_for(int(llama.llama_model_n_ctx_train(self._model)))
             self._threads = config.resolved_threads
-            # threads=None: re-measured between requests (busy.py), set with llama_set_n_threads
+            # threads=None: re-measured between requests (machine/busy.py), set with
+            # llama_set_n_threads
             self._tuner = ThreadTuner(self._threads) if config.threads is None else None
             self._flash_attention = config.flash_attention
             self._kv_dtype = "float32" if config.kv_dtype == "float32" else "float16"
@@ -426,7 +427,7 @@ class LlamaCppBackend:
         self._past[slot] += n
 
     def _retune(self) -> None:
-        """Between requests: follow the threads other processes leave free (busy.py).
+        """Between requests: follow the threads other processes leave free (machine/busy.py).
         Threads waiting at llama.cpp's barriers for one that another process holds off its
         core cost 2-3x the decode speed; one thread fewer on a free core costs ~1.5x."""
         tuner = self._tuner

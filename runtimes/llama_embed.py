@@ -33,7 +33,7 @@ class LlamaEmbedBackend:
     kv_nbytes = 0
 
     def __init__(self, path: Path, encoder: Any, threads: int) -> None:
-        """``encoder``: the checked ``GGUFEncoder`` (``edgeinfer.embedding_gguf``)."""
+        """``encoder``: the checked ``GGUFEncoder`` (``edgeinfer.embedding.gguf``)."""
         llama_cpp = engine()
         from llama_cpp import Llama
 

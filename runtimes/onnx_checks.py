@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from edgeinfer.errors import ModelLoadError
-from edgeinfer.manifest import MANIFEST_NAME, Architecture, Manifest
+from edgeinfer.files.manifest import MANIFEST_NAME, Architecture, Manifest
 
 __all__ = [
     "LOGITS_TO_KEEP",

@@ -1,7 +1,7 @@
 """The embedding backend: an encoder graph (``converters/onnx/encoder.py``) on ONNX Runtime,
 with the folder's tokenizer.json. It tokenizes a batch (truncated at the model's maximum
 length, padded on the right to the longest text), runs the graph and returns the last hidden
-states; pooling and normalizing are ``edgeinfer.embedding``'s.
+states; pooling and normalizing are ``edgeinfer.embedding.batches``'s.
 
 It is a ``Backend`` for the facts ``Model`` reads (tokenizer, info, context, close) and has no
 generation steps: ``kind = "embedding"``.
@@ -41,7 +41,7 @@ class EncoderBackend:
     kv_nbytes = 0
 
     def __init__(self, encoder: Any, config: Any, candidate: Any) -> None:
-        """``encoder``: an ``EncoderModel`` (``edgeinfer.embedding_load``): the checked
+        """``encoder``: an ``EncoderModel`` (``edgeinfer.embedding.load``): the checked
         folder and its built graph; ``config`` a ``LoadConfig``; ``candidate`` the provider."""
         try:
             import onnxruntime as ort

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from edgeinfer.bounded_json import read_regular_file
 from edgeinfer.errors import ModelLoadError
-from edgeinfer.manifest import MANIFEST_NAME, Architecture, Manifest, resolve_inside
+from edgeinfer.files.manifest import MANIFEST_NAME, Architecture, Manifest, resolve_inside
 
-from .onnx_external import GraphFacts, read_graph_facts
+from ..files.onnx_graph import GraphFacts, read_graph_facts
 from .tokenizer_json import JsonTokenizer
 
 __all__ = ["model_path_of", "open_tokenizer"]

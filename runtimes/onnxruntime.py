@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from edgeinfer.catalog import edgeinfer_home
 from edgeinfer.config import LoadConfig
 from edgeinfer.errors import (
     BackendUnavailableError,
@@ -26,9 +25,10 @@ from edgeinfer.errors import (
     InvalidRequestError,
     ModelLoadError,
 )
-from edgeinfer.manifest import Manifest
-from edgeinfer.policy import CPU_PROVIDER, Candidate
-from edgeinfer.rss import release_free_heap
+from edgeinfer.files.catalog import edgeinfer_home
+from edgeinfer.files.manifest import Manifest
+from edgeinfer.machine.policy import CPU_PROVIDER, Candidate
+from edgeinfer.memory.rss import release_free_heap
 
 from .base import aligned_chunks, check_fits, check_slot
 from .onnx_checks import (

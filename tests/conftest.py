@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import pytest
 
 import edgeinfer
-from edgeinfer import catalog
+from edgeinfer.files import catalog
 from edgeinfer.model import Model
 
 from . import hangcheck, leakcheck

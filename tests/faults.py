@@ -68,7 +68,7 @@ _SLOW = float(os.environ.get("EDGEINFER_TEST_CHUNK_S") or 0)
 _GATE = os.environ.get("EDGEINFER_TEST_GATE")
 _CANCEL = float(os.environ.get("EDGEINFER_TEST_CANCEL_S") or 0)
 if _SLOW or _GATE or _CANCEL:
-    from edgeinfer import generation
+    from edgeinfer.generation import results as generation
 
     _next = generation.TokenStream.__next__
     _cancel = generation.TokenStream.cancel

@@ -43,7 +43,6 @@ A_LIMIT = "an input limit"
 CATALOG_SIZE = "the catalog file's size on the package index"
 DEFAULT = "a default setting"
 
-BATCH_JOB = results("batch_job.json")
 BPQ = results("bench-parallel-onnx-1-8-quiet.json")
 BP = results("bench-parallel-onnx-1-8.json")
 CHAT_REUSE = results("chat_reuse.json")
@@ -314,7 +313,6 @@ SMALL_SPECS = [
                         ONNX_SLOTS("machine", "load_average_after", 0),
                         LLAMA_SLOTS("variants", "*", "step", "load_avg_before"),
                         SERVE_PAR("machine", "loadavg_at_start", 0),
-                        BATCH_JOB("machine", "load_average_at_start", 0),
                     )
                 )
             ),
@@ -376,13 +374,6 @@ SMALL_SPECS = [
             times(SERVE_PAR("parallel", "8", "join", "joined_over_alone", "median")),
             given("2x", "a target"),
             load(SERVE_PAR("machine", "loadavg_at_start", 0)),
-            times(BATCH_JOB("median_speedup")),
-            bare(BATCH_JOB("settings", "rows")),
-            frac_pct(BATCH_JOB("rounds", 0, "labels_same")),
-            given("4x", "a target"),
-            given("1,000", "the target's rows"),
-            bare(BATCH_JOB("settings", "rows")),
-            load(BATCH_JOB("machine", "load_average_at_start", 0)),
         ),
     ),
     Spec(
@@ -394,8 +385,6 @@ SMALL_SPECS = [
             given("3x", "a target"),
             sec(_target(BPQ, _EIGHT, "join_ttft_ms", "og.Engine") / 1000),
             sec(_target(BPQ, _EIGHT, "join_ttft_ms", "edgeinfer") / 1000),
-            times(BATCH_JOB("median_speedup")),
-            load(BATCH_JOB("machine", "load_average_at_start", 0)),
         ),
     ),
 ]

@@ -21,6 +21,7 @@ from tests.figures import (
     load,
     mb,
     mb_bytes,
+    ms,
     pct,
     sec,
     spec,
@@ -43,6 +44,8 @@ AGREE16 = results("agreement_kv16.json")
 KV16_SPEED = results("onnx_kv16_speed.json")
 IDLE = results("busy_cpu_idle.json")
 AGREE = results("agreement.json")
+BATCH_JOB = results("batch_job.json")
+PREFILL_RATE = results("prefill_rate.json")
 VALID = results("onnx-validation.json")
 INT4 = results("int4_route.json")
 CONVERT = results("gguf_convert.json")
@@ -285,6 +288,18 @@ DOCS_SPECS: list[Spec] = [
         times(BATCHED("summary", "ratio_median")),
         times(BATCHED("summary", "ratio_range", 0)),
         times(BATCHED("summary", "ratio_range", 1)),
+    ),
+    spec(
+        "docs/many-requests.md",
+        "A batch job against a loop of `chat()` on the same route",
+        sec(BATCH_JOB("rounds", 0, "batch_job_s")),
+        sec(BATCH_JOB("rounds", 0, "loop_job_s")),
+        times(BATCH_JOB("median_speedup")),
+        frac_pct(BATCH_JOB("rounds", 0, "labels_same")),
+        given("4x", "a target"),
+        tps(PREFILL_RATE("lengths", 2, "prefill_tok_s")),
+        tps(PREFILL_RATE("lengths", 6, "prefill_tok_s")),
+        ms(PREFILL_RATE("lengths", 2, "median_ttft_s") * 1000),
     ),
     spec(
         "docs/many-requests.md",

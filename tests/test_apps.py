@@ -13,7 +13,7 @@ APPS = Path(__file__).resolve().parent.parent / "apps"
 @pytest.mark.model
 def test_device_chat_answers_each_line(default_gguf: Path) -> None:
     import edgeinfer
-    from edgeinfer import catalog
+    from edgeinfer.files import catalog
 
     out = subprocess.run(
         [sys.executable, str(APPS / "device_chat.py"), "--max-new-tokens", "24", "--threads", "2"],

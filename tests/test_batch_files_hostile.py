@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from edgeinfer.batch.files import read_rows
 from edgeinfer.batch.records import MAX_ID_CHARS, Row
 from edgeinfer.errors import InvalidRequestError
-from edgeinfer.sampling import SamplingConfig
+from edgeinfer.generation.sampling import SamplingConfig
 
 BASE = SamplingConfig()
 _FIXTURE = [HealthCheck.function_scoped_fixture]

@@ -27,7 +27,7 @@ from edgeinfer.batch.records import (
     parse_object,
 )
 from edgeinfer.errors import InvalidRequestError
-from edgeinfer.sampling import SamplingConfig
+from edgeinfer.generation.sampling import SamplingConfig
 
 BASE = SamplingConfig()
 FIXTURE = [HealthCheck.function_scoped_fixture]

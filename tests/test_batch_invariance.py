@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import edgeinfer
-from edgeinfer.catalog import DEFAULT_MODEL
+from edgeinfer.files.catalog import DEFAULT_MODEL
 
 pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (the gguf extra)")
 pytest.importorskip("onnxruntime")

@@ -395,8 +395,8 @@ def test_parallel_streams_on_a_tiny_model(tiny_llama_gguf: Path) -> None:
 
 
 def test_a_catalog_name_is_loaded_by_its_name(tmp_path: Path) -> None:
-    from edgeinfer import catalog
     from edgeinfer.bench.peers import as_named
+    from edgeinfer.files import catalog
 
     path = tmp_path / "m.gguf"
     assert as_named(catalog.DEFAULT_MODEL, path) == catalog.DEFAULT_MODEL  # routed by name

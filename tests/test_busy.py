@@ -14,8 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgeinfer import busy
-from edgeinfer.busy import (
+from edgeinfer.config import LoadConfig
+from edgeinfer.machine import busy
+from edgeinfer.machine.busy import (
     CpuMeter,
     CpuShare,
     ThreadTuner,
@@ -26,7 +27,6 @@ from edgeinfer.busy import (
     threads_for,
     usable_cores,
 )
-from edgeinfer.config import LoadConfig
 
 # -- recorded files ---------------------------------------------------------------------------
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from edgeinfer import ModelFetchError, catalog
-from edgeinfer.catalog import CatalogEntry
+from edgeinfer import ModelFetchError
+from edgeinfer.files import catalog
+from edgeinfer.files.catalog import CatalogEntry
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64
 
@@ -106,7 +107,7 @@ def test_default_model_entry_matches_the_file_itself(default_gguf: Path) -> None
     """The entry against the bytes it names, not against a copy of its own constants: the
     size and sha256 computed here, and the GGUF's own header says what the entry says it is
     (SmolLM2-135M: a 30-layer, 576-wide llama, stored as Q4_1)."""
-    from edgeinfer.gguf_file import read_gguf_header
+    from edgeinfer.files.gguf_file import read_gguf_header
 
     entry = catalog.CATALOG[catalog.DEFAULT_MODEL]
     digest = hashlib.sha256()

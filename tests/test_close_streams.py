@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from edgeinfer import EdgeInferError
-from edgeinfer.generation import Chunk
+from edgeinfer.generation.results import Chunk
 from edgeinfer.model import Model
 
 from .fakes import FakeBackend

@@ -193,7 +193,7 @@ def test_writer_peak_memory_stays_below_the_checkpoint(
     code = (
         "import sys; from pathlib import Path\n"
         "from edgeinfer.converters.gguf.writer import write_gguf\n"
-        "from edgeinfer.rss import peak_rss\n"
+        "from edgeinfer.memory.rss import peak_rss\n"
         "before = peak_rss()\n"
         "write_gguf(Path(sys.argv[1]), Path(sys.argv[2]), 'f16')\n"
         "print(before, peak_rss())\n"

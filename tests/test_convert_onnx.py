@@ -14,7 +14,7 @@ import pytest
 
 import edgeinfer
 from edgeinfer import ConversionError, ModelLoadError
-from edgeinfer.manifest import MANIFEST_NAME, PARTIAL_MARKER
+from edgeinfer.files.manifest import MANIFEST_NAME, PARTIAL_MARKER
 
 from .leakcheck import KillAtEnd
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import edgeinfer
-from edgeinfer import catalog
+from edgeinfer.files import catalog
 
 from .bertgen import make_bert_folder
 from .leakcheck import end_process

@@ -7,7 +7,7 @@ import codecs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgeinfer.detokenizer import IncrementalDetokenizer
+from edgeinfer.generation.detokenizer import IncrementalDetokenizer
 
 from .fakes import FakeTokenizer
 

@@ -20,9 +20,9 @@ import pytest
 import edgeinfer
 from edgeinfer import cli
 from edgeinfer.errors import BackendUnavailableError, InvalidRequestError
-from edgeinfer.inventory import DeviceInventory, build_inventory, devices
-from edgeinfer.policy import plan_providers
-from edgeinfer.probes import Accelerator, RecordedProbe
+from edgeinfer.machine.inventory import DeviceInventory, build_inventory, devices
+from edgeinfer.machine.policy import plan_providers
+from edgeinfer.machine.probes import Accelerator, RecordedProbe
 
 MACHINES = Path(__file__).parent / "data" / "machines"
 
@@ -281,7 +281,7 @@ def test_cli_devices_with_the_default_model(
     assert cli.main(["devices", "smollm2-135m-instruct"]) == 0
     out = capsys.readouterr().out
     assert "llama.cpp" in out and "GPU offload no" in out
-    # on the CPU a catalog GGUF runs through its exact ONNX transcode (routes.py)
+    # on the CPU a catalog GGUF runs through its exact ONNX transcode (machine/routes.py)
     assert "plan for smollm2-135m-instruct (gguf, run as onnx), device=auto:" in out
     assert "1. CPUExecutionProvider" in out
     assert cli.main(["devices", "smollm2-135m-instruct", "--json", "--device", "cuda",
@@ -444,7 +444,7 @@ def test_provider_names_in_any_case() -> None:
 def test_recording_this_machine_replays_to_the_same_inventory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from edgeinfer.probes import MachineProbe, RecordingProbe
+    from edgeinfer.machine.probes import MachineProbe, RecordingProbe
 
     recorder = RecordingProbe(MachineProbe())
     live = build_inventory(recorder)

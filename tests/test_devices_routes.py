@@ -24,11 +24,11 @@ from hypothesis import strategies as st
 from edgeinfer import cli
 from edgeinfer.cli.devices import _recorded
 from edgeinfer.errors import BackendUnavailableError, InvalidRequestError
-from edgeinfer.inventory import DeviceInventory, build_inventory, devices
 from edgeinfer.loader import resolve, route_for
-from edgeinfer.policy import plan_providers
-from edgeinfer.probes import PACKAGES, MachineProbe, RecordedProbe, RecordingProbe
-from edgeinfer.routes import route_on
+from edgeinfer.machine.inventory import DeviceInventory, build_inventory, devices
+from edgeinfer.machine.policy import plan_providers
+from edgeinfer.machine.probes import PACKAGES, MachineProbe, RecordedProbe, RecordingProbe
+from edgeinfer.machine.routes import route_on
 
 from .signals import sigint_default
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgeinfer.bench.embed import is_embedding_model, tickets
-from edgeinfer.encoder_folder import read_encoder_folder
+from edgeinfer.files.encoder_folder import read_encoder_folder
 
 from .bertgen import make_bert_folder
 

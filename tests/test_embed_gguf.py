@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import edgeinfer
-from edgeinfer.encoder_folder import read_encoder_folder
 from edgeinfer.errors import EdgeInferError, MemoryBudgetError, NotAGenerativeModelError
+from edgeinfer.files.encoder_folder import read_encoder_folder
 
 from .bertgen import make_bert_folder
 
@@ -176,7 +176,7 @@ def test_a_kv_cache_type_on_an_embedding_gguf_is_refused(tiny_pair: tuple[Path, 
 
 @pytest.mark.model
 def test_all_minilm_as_gguf_matches_the_onnx_encoder(monkeypatch: pytest.MonkeyPatch) -> None:
-    from edgeinfer.embedding_gguf import derived_encoder_gguf
+    from edgeinfer.embedding.gguf import derived_encoder_gguf
 
     if _REAL_HOME:
         monkeypatch.setenv("EDGEINFER_HOME", _REAL_HOME)

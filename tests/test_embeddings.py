@@ -18,15 +18,16 @@ import numpy as np
 import pytest
 
 import edgeinfer
-from edgeinfer import NotAGenerativeModelError, NotAnEmbeddingModelError, catalog
+from edgeinfer import NotAGenerativeModelError, NotAnEmbeddingModelError
 from edgeinfer.converters.onnx.encoder_reference import reference_hidden
-from edgeinfer.encoder_folder import read_encoder_folder, read_safetensors
 from edgeinfer.errors import (
     ConversionError,
     InvalidRequestError,
     MemoryBudgetError,
     ModelFetchError,
 )
+from edgeinfer.files import catalog
+from edgeinfer.files.encoder_folder import read_encoder_folder, read_safetensors
 from edgeinfer.model import Model
 
 from .bertgen import make_bert_folder
@@ -185,7 +186,7 @@ def test_a_graph_that_fails_validation_is_refused_and_nothing_is_left(
 
 
 def test_the_memory_plan_holds_batch_times_sequence_activations(tmp_path: Path) -> None:
-    from edgeinfer.embedding_load import activation_bytes, plan_embedding_memory
+    from edgeinfer.embedding.load import activation_bytes, plan_embedding_memory
 
     enc = read_encoder_folder(make_bert_folder(tmp_path / "bert"))
     per_text = activation_bytes(enc)

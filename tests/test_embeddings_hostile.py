@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import edgeinfer
-from edgeinfer.embedding import MAX_TEXT_CHARS
-from edgeinfer.encoder_folder import read_encoder_folder, read_safetensors
+from edgeinfer.embedding.batches import MAX_TEXT_CHARS
 from edgeinfer.errors import InvalidRequestError, ModelLoadError
+from edgeinfer.files.encoder_folder import read_encoder_folder, read_safetensors
 
 from .bertgen import make_bert_folder
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgeinfer.embedding_load import EMBEDDING_OPTIONS, refuse_generation_options
+from edgeinfer.embedding.load import EMBEDDING_OPTIONS, refuse_generation_options
 from edgeinfer.errors import InvalidRequestError
 
 FORMATS = ["encoder", "gguf"]

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 import edgeinfer
-from edgeinfer.encoder_folder import read_encoder_folder
 from edgeinfer.errors import InvalidRequestError
+from edgeinfer.files.encoder_folder import read_encoder_folder
 
 from .bertgen import make_bert_folder
 

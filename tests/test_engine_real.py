@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 import edgeinfer
-from edgeinfer.generation import REUSE_GRANULE, GenerationResult
+from edgeinfer.generation.results import REUSE_GRANULE, GenerationResult
 from edgeinfer.model import Model
 
 pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (the gguf extra)")

@@ -1,8 +1,9 @@
 """One generation loop for every parallelism, with speculative decoding inside it.
 
-The engine's loop (``edgeinfer.engine``) serves ``parallel=1`` (one slot, stepped in the
-caller's thread) and ``parallel>1`` (its own thread). A slot that runs alone drafts and
-verifies in one pass; while other slots run it steps aside into the batched step. Either way
+The engine's loop (``edgeinfer.generation.scheduler``) serves ``parallel=1`` (one slot,
+stepped in the caller's thread) and ``parallel>1`` (its own thread). A slot that runs alone
+drafts and verifies in one pass; while other slots run it steps aside into the batched step.
+Either way
 a request's tokens are the ones plain decoding gives alone, and no rejected draft is left in
 any slot's cache.
 """
@@ -16,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgeinfer import engine as engine_module
-from edgeinfer.delivery import Submitted
+from edgeinfer.generation import scheduler as engine_module
+from edgeinfer.generation.delivery import Submitted
 from edgeinfer.model import Model
 
 from .test_speculative import PROMPTS, CopyingBackend
@@ -241,13 +242,13 @@ def test_an_interrupted_step_keeps_the_reusable_prefix() -> None:
 
 
 def _greedy(n: int) -> object:
-    from edgeinfer.sampling import SamplingConfig
+    from edgeinfer.generation.sampling import SamplingConfig
 
     return SamplingConfig(temperature=0, max_new_tokens=n)
 
 
 def _sampler(model: Model, ids: list[int], n: int) -> object:
-    from edgeinfer.generation import check_request
+    from edgeinfer.generation.results import check_request
 
     return check_request(model._backend, ids, _greedy(n))  # type: ignore[arg-type]
 

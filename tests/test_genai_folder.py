@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 import edgeinfer
 from edgeinfer.errors import ModelLoadError
-from edgeinfer.genai_folder import manifest_from_genai_folder
-from edgeinfer.gguf_file import read_gguf_header
-from edgeinfer.manifest import Manifest
+from edgeinfer.files.genai_folder import manifest_from_genai_folder
+from edgeinfer.files.gguf_file import read_gguf_header
+from edgeinfer.files.manifest import Manifest
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from edgeinfer import EdgeInferError, InvalidRequestError, ModelBusyError
-from edgeinfer._turns import Turns
-from edgeinfer.generation import REUSE_GRANULE
+from edgeinfer.generation.results import REUSE_GRANULE
+from edgeinfer.generation.turns import Turns
 from edgeinfer.model import Model
 
 from .fakes import EOS, FakeBackend

@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from edgeinfer.errors import ConversionError, EdgeInferError, ModelLoadError
-from edgeinfer.gguf_checks import check_gguf_model
-from edgeinfer.gguf_file import read_gguf_header
+from edgeinfer.files.gguf_checks import check_gguf_model
+from edgeinfer.files.gguf_file import read_gguf_header
 from edgeinfer.loader import resolve
 
 from . import ggufgen as g

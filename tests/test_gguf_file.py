@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from edgeinfer import ModelLoadError
-from edgeinfer.gguf_file import ArrayInfo, read_gguf_header
+from edgeinfer.files.gguf_file import ArrayInfo, read_gguf_header
 
 from .ggufgen import write_gguf
 

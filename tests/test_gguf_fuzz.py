@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgeinfer import ModelLoadError
-from edgeinfer.gguf_file import GGUFHeader, StringInfo, read_gguf_header
+from edgeinfer.files.gguf_file import GGUFHeader, StringInfo, read_gguf_header
 
 from .ggufgen import write_gguf
 

@@ -21,8 +21,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgeinfer.inventory import build_inventory
-from edgeinfer.probes import RecordedProbe
+from edgeinfer.machine.inventory import build_inventory
+from edgeinfer.machine.probes import RecordedProbe
 from gpu_check import nvidia
 from gpu_check.nvidia import CheckError, Gpu
 from gpu_check.run import summarise

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 import edgeinfer
 from edgeinfer import BackendUnavailableError, InvalidRequestError, SamplingConfig
+from edgeinfer.generation.sampling import Sampler
 from edgeinfer.model import Model
-from edgeinfer.sampling import Sampler
 
 from .fakes import VOCAB, FakeTokenizer
 

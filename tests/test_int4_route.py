@@ -19,7 +19,7 @@ import edgeinfer
 from edgeinfer.converters.onnx.builder.tensors import F32, GGUFTensors
 from edgeinfer.converters.sources.gguf_float import cached_float_gguf, write_float_gguf
 from edgeinfer.errors import EdgeInferError
-from edgeinfer.gguf_file import read_gguf_header
+from edgeinfer.files.gguf_file import read_gguf_header
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 that another package defines (``model._backend`` from the bench, ``backend._llama`` from
 ``state/``), and snapshots reach a backend's KV only through ``kv_state()``.
 
-A package here is a folder of the source (``edgeinfer/``, ``edgeinfer/state/``,
+A package here is a folder of the source (``edgeinfer/``, ``edgeinfer/generation/state/``,
 ``runtimes/``, ...). A private attribute is "defined" by a package when one of its modules
 assigns it (``self._x = ...``), or defines a private function, class or module name. A read
 ``obj._x`` (``obj`` not ``self``, ``cls`` or ``super()``) of a name that the reading package
@@ -79,12 +79,14 @@ def test_the_check_finds_a_reach_into_a_backend() -> None:
     """The check itself: a snapshot module reading the backend's handle, or a bench reading
     the model's backend, is found; the backend's own package reading it is not."""
     sources = _tree()
-    sources["edgeinfer/state/peek.py"] = "def peek(backend):\n    return backend._llama\n"
+    sources["edgeinfer/generation/state/peek.py"] = (
+        "def peek(backend):\n    return backend._llama\n"
+    )
     sources["edgeinfer/bench/peek.py"] = "def peek(model):\n    return model._backend\n"
     sources["runtimes/peek.py"] = "def peek(backend):\n    return backend._llama\n"
     assert sorted(private_reaches(sources)) == [
         "edgeinfer/bench/peek.py:2 model._backend",
-        "edgeinfer/state/peek.py:2 backend._llama",
+        "edgeinfer/generation/state/peek.py:2 backend._llama",
     ]
 
 

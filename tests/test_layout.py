@@ -151,3 +151,33 @@ def test_no_product_module_is_over_500_lines(name: str):
 def test_every_package_says_what_lives_there(name: str):
     docstring = ast.get_docstring(ast.parse(MODULES[name].read_text(encoding="utf-8")))
     assert docstring and len(docstring) > 40, f"{name}/__init__.py needs a docstring"
+
+
+# The core's top: the public API and what every wing shares; everything else lives in a wing
+# (generation/, memory/, machine/, files/, embedding/) or a front (cli/, serve/, batch/, ...).
+TOP_MODULES = {
+    "__init__", "__main__", "bounded_json", "config", "errors", "load_plan", "loader", "model",
+    "model_guards", "progress",
+}  # fmt: skip
+MAX_ROOM_ARROWS = 120
+
+
+def _room(module: str) -> str:
+    """A room: a module or package directly under ``edgeinfer`` (``runtimes`` and
+    ``converters`` one each)."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_loose_module_at_the_top_of_the_core():
+    loose = {
+        path.stem for path in (ROOT / "edgeinfer").glob("*.py") if path.stem not in TOP_MODULES
+    }
+    assert not loose, f"{sorted(loose)}: put each in the wing whose __init__ describes it"
+
+
+def test_rooms_are_joined_by_at_most_120_arrows():
+    graph = _graph()
+    arrows = {(_room(a), _room(b)) for a, bs in graph.items() for b in bs}
+    arrows = {(a, b) for a, b in arrows if a != b}
+    assert len({_room(m) for m in graph}) >= 20  # the walk saw the wings as rooms
+    assert len(arrows) <= MAX_ROOM_ARROWS, sorted(arrows)

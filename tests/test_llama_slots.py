@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from edgeinfer import InvalidRequestError
 from edgeinfer.config import LoadConfig
 from edgeinfer.errors import BackendUnavailableError
-from edgeinfer.gguf_file import read_gguf_header
-from edgeinfer.inventory import devices
-from edgeinfer.policy import plan_providers
+from edgeinfer.files.gguf_file import read_gguf_header
+from edgeinfer.machine.inventory import devices
+from edgeinfer.machine.policy import plan_providers
 from edgeinfer.runtimes.base import SlotBackend
 from edgeinfer.runtimes.llama_cpp import LlamaCppBackend, open_backend
 

@@ -23,12 +23,12 @@ import pytest
 
 import edgeinfer
 from edgeinfer import cli
-from edgeinfer.catalog import DEFAULT_MODEL
 from edgeinfer.errors import InvalidRequestError
+from edgeinfer.files.catalog import DEFAULT_MODEL
 from edgeinfer.loader import resolve
-from edgeinfer.memory import MemoryBudget, plan_memory
-from edgeinfer.memory_plan import DEFAULT_BUDGET_FRACTION
-from edgeinfer.model_shape import shape_of
+from edgeinfer.memory.budget import DEFAULT_BUDGET_FRACTION
+from edgeinfer.memory.plan import MemoryBudget, plan_memory
+from edgeinfer.memory.shape import shape_of
 
 
 @pytest.mark.parametrize("bad", ["lots", "-5MB", 0, True, "1.5XB"])
@@ -48,19 +48,19 @@ def test_a_budget_is_made_once_and_kept() -> None:
 def test_embedding_and_generative_plans_share_the_default_budget(
     default_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from edgeinfer.embedding_load import plan_embedding_memory
+    from edgeinfer.embedding.load import plan_embedding_memory
 
     class Memory:
         available = 8 * 10**9
 
-    monkeypatch.setattr("edgeinfer.memory_plan.psutil.virtual_memory", lambda: Memory)
+    monkeypatch.setattr("edgeinfer.memory.budget.psutil.virtual_memory", lambda: Memory)
     process = 200 * 10**6
     want = process + int(Memory.available * DEFAULT_BUDGET_FRACTION)
     plan = plan_memory(shape_of(resolve(default_gguf)), process=process)
     assert plan.budget - plan.process == want - process  # the import cost rides on both sides
     config = SimpleNamespace(max_position_embeddings=512)
     encoder = SimpleNamespace(weight_bytes=10**6, max_seq_length=128, config=config)
-    monkeypatch.setattr("edgeinfer.embedding_load.activation_bytes", lambda folder: 10**5)
+    monkeypatch.setattr("edgeinfer.embedding.load.activation_bytes", lambda folder: 10**5)
     embedding = plan_embedding_memory(encoder, None, 1, process=process)  # type: ignore[arg-type]
     assert embedding.budget == want
     assert embedding.budget_source == plan.budget_source

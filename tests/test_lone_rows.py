@@ -21,8 +21,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from edgeinfer.config import LoadConfig
-from edgeinfer.manifest import Manifest
-from edgeinfer.policy import Candidate
+from edgeinfer.files.manifest import Manifest
+from edgeinfer.machine.policy import Candidate
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import edgeinfer
 from edgeinfer import ModelLoadError
 from edgeinfer.config import LoadConfig
-from edgeinfer.manifest import (
+from edgeinfer.files.manifest import (
     ARCHITECTURE_LIMITS,
     MANIFEST_NAME,
     NOT_CHECKED,
@@ -273,7 +273,7 @@ def test_a_manifest_that_is_a_folder_is_refused(tmp_path: Path) -> None:
 
 def test_unknown_keys_are_ignored_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     data = _with("architecture.rope_theta", 10000.0) | {"future_field": [1, 2]}
-    with caplog.at_level(logging.WARNING, logger="edgeinfer.manifest"):
+    with caplog.at_level(logging.WARNING, logger="edgeinfer.files.manifest"):
         manifest = parse_manifest(data)
     assert manifest.architecture.num_layers == 2
     assert "future_field" in caplog.text and "architecture.rope_theta" in caplog.text
@@ -360,8 +360,8 @@ def test_a_symlink_inside_the_folder_is_fine(tmp_path: Path) -> None:
 def test_the_chat_template_never_comes_from_outside(tmp_path: Path, scratch: Path) -> None:
     """The reported leak: a file outside the folder came back as the chat template. The
     backend checks again, for manifests built in code (the converter's validation)."""
-    from edgeinfer.inventory import devices
-    from edgeinfer.policy import plan_providers
+    from edgeinfer.machine.inventory import devices
+    from edgeinfer.machine.policy import plan_providers
     from edgeinfer.runtimes.onnxruntime import open_backend
 
     folder = make_folder(tmp_path / "m")
@@ -433,7 +433,7 @@ def test_external_data_through_a_symlink_out_is_refused(tmp_path: Path) -> None:
 def test_external_data_locations_equal_what_onnx_finds(tmp_path: Path) -> None:
     from onnx.external_data_helper import _get_all_tensors, uses_external_data
 
-    from edgeinfer.runtimes.onnx_external import external_data_locations
+    from edgeinfer.files.onnx_graph import external_data_locations
 
     folder = make_folder(tmp_path / "m", external=True)
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
@@ -459,7 +459,7 @@ def test_damaged_graphs_give_locations_or_model_load_error(
     scratch: Path, edits: list[tuple[int, int]], cut: int | None, noise: bytes
 ) -> None:
     """The protobuf walk over a mutated graph: a list of names, or ModelLoadError."""
-    from edgeinfer.runtimes.onnx_external import external_data_locations
+    from edgeinfer.files.onnx_graph import external_data_locations
 
     source = scratch / "walk" / "model.onnx"
     if not source.is_file():

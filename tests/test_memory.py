@@ -15,23 +15,23 @@ import pytest
 import edgeinfer
 from edgeinfer import cli
 from edgeinfer.config import LoadConfig
-from edgeinfer.delivery import Submitted
-from edgeinfer.engine import Engine
 from edgeinfer.errors import InvalidRequestError, MemoryBudgetError
-from edgeinfer.generation import Chunk, KVHistory
-from edgeinfer.inventory import build_inventory
+from edgeinfer.generation.delivery import Submitted
+from edgeinfer.generation.results import Chunk, KVHistory
+from edgeinfer.generation.sampling import Sampler, SamplingConfig
+from edgeinfer.generation.scheduler import Engine
 from edgeinfer.loader import resolve
-from edgeinfer.memory import (
+from edgeinfer.machine.inventory import build_inventory
+from edgeinfer.machine.probes import RecordedProbe
+from edgeinfer.memory.plan import (
     FRESH_PROCESS_BYTES,
     THREAD_BYTES,
     FitAtLoad,
     parse_size,
     plan_memory,
 )
-from edgeinfer.model_shape import shape_of
-from edgeinfer.probes import RecordedProbe
-from edgeinfer.rss import resident_with_mapped_files
-from edgeinfer.sampling import Sampler, SamplingConfig
+from edgeinfer.memory.rss import resident_with_mapped_files
+from edgeinfer.memory.shape import shape_of
 from tests.fakes import FakeBackend
 
 MACHINES = Path(__file__).parent / "data" / "machines"
@@ -261,8 +261,8 @@ def _fit_at_load(
     )
     fit = FitAtLoad(shape, plan, fixed_context=fixed is not None)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("edgeinfer.memory.resident_with_mapped_files", lambda files: loaded)
-        mp.setattr("edgeinfer.memory.peak_rss", lambda: loaded)  # the load peak
+        mp.setattr("edgeinfer.memory.plan.resident_with_mapped_files", lambda files: loaded)
+        mp.setattr("edgeinfer.memory.plan.peak_rss", lambda: loaded)  # the load peak
         config = LoadConfig(context_length=plan.context_length, fit_context=fit)
         context = config.context_for(shape.trained_context)
     return plan, fit.plan, context
@@ -309,7 +309,7 @@ def test_the_margin_grows_with_threads_and_context(gguf_shape: Any) -> None:
 CHILD = r"""
 import json, sys
 import edgeinfer
-from edgeinfer.rss import peak_rss
+from edgeinfer.memory.rss import peak_rss
 model, budget, threads, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 with edgeinfer.load(model, memory_budget=budget, threads=threads) as llm:
     n_ctx, n_vocab = llm.context_length, llm.info["vocab_size"]

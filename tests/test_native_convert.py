@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 import edgeinfer
-from edgeinfer import catalog
 from edgeinfer.cli import main as cli_main
 from edgeinfer.converters.config import ConvertConfig
 from edgeinfer.errors import ConversionError
-from edgeinfer.gguf_file import read_gguf_header
+from edgeinfer.files import catalog
+from edgeinfer.files.gguf_file import read_gguf_header
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")

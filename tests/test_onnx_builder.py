@@ -96,7 +96,7 @@ def test_gguf_graph_matches_llama_cpp(
 def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> None:
     from edgeinfer.converters.onnx.builder import gguf_shape
     from edgeinfer.errors import ConversionError
-    from edgeinfer.gguf_file import GGUFHeader
+    from edgeinfer.files.gguf_file import GGUFHeader
 
     header = GGUFHeader(tmp_path / "m.gguf", 3, 0, 0, {"general.architecture": "mamba"}, ())
     with pytest.raises(ConversionError, match=r"'mamba' is not supported .*supported: llama"):

@@ -19,7 +19,7 @@ LINUX_ONLY = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Vm
 CHILD = r"""
 import json, sys
 import edgeinfer
-from edgeinfer.rss import peak_rss
+from edgeinfer.memory.rss import peak_rss
 model, ctx = sys.argv[1], int(sys.argv[2])
 with edgeinfer.load(model, context_length=ctx, threads=2) as llm:
     n_vocab = llm.info["vocab_size"]

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from edgeinfer.config import LoadConfig
 from edgeinfer.errors import InvalidRequestError, ModelLoadError
-from edgeinfer.manifest import Manifest
-from edgeinfer.policy import Candidate
+from edgeinfer.files.manifest import Manifest
+from edgeinfer.machine.policy import Candidate
 
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
@@ -240,7 +240,7 @@ def test_a_genai_folder_with_a_batch_axis_loads_with_slots(
     import json
     import shutil
 
-    from edgeinfer.genai_folder import manifest_from_genai_folder
+    from edgeinfer.files.genai_folder import manifest_from_genai_folder
 
     from .test_genai_folder import _genai_config
 
@@ -320,9 +320,9 @@ def test_default_model_batched_greedy_tokens_agree_with_alone(default_gguf: Path
     same contexts decoded four at a time pick the token they pick alone, or a near tie.
     Not bit-exact: a one-row run takes another MatMulNBits kernel than a run of several rows,
     and the int8 rounding of activations turns its last-bit differences into larger ones."""
-    from edgeinfer import catalog
+    from edgeinfer.files import catalog
+    from edgeinfer.files.source import resolve
     from edgeinfer.loader import transcoded_catalog_model
-    from edgeinfer.model_source import resolve
 
     folder = transcoded_catalog_model(resolve(catalog.DEFAULT_MODEL)).path
     config = LoadConfig(context_length=256, threads=2, parallel=4)

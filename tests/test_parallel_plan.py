@@ -17,11 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import edgeinfer
-from edgeinfer import catalog
 from edgeinfer.config import LoadConfig
 from edgeinfer.errors import InvalidRequestError, MemoryBudgetError, ModelLoadError
+from edgeinfer.files import catalog
 from edgeinfer.loader import resolve, route_for, runs_as_onnx
-from edgeinfer.memory import (
+from edgeinfer.machine.routes import ENGINES, choose_route
+from edgeinfer.memory.costs import COSTS, SLOT_LOGITS_BYTES
+from edgeinfer.memory.plan import (
     AUTO_MAX_PARALLEL,
     AUTO_MIN_CONTEXT,
     FRESH_PROCESS_BYTES,
@@ -30,9 +32,7 @@ from edgeinfer.memory import (
     check_parallel,
     plan_memory,
 )
-from edgeinfer.memory_costs import COSTS, SLOT_LOGITS_BYTES
-from edgeinfer.model_shape import ModelShape, shape_of
-from edgeinfer.routes import ENGINES, choose_route
+from edgeinfer.memory.shape import ModelShape, shape_of
 
 MB = 10**6
 MiB = 2**20
@@ -276,8 +276,8 @@ def test_the_context_refitted_at_load_keeps_the_slots(monkeypatch: pytest.Monkey
     estimate = plan(GGUF, budget="600MB", parallel=4)
     fit = FitAtLoad(GGUF, estimate, fixed_context=False)
     more = estimate.resident_before_kv + 30 * MB  # the engine took 30 MB more than estimated
-    monkeypatch.setattr("edgeinfer.memory.resident_with_mapped_files", lambda files: more)
-    monkeypatch.setattr("edgeinfer.memory.peak_rss", lambda: more)
+    monkeypatch.setattr("edgeinfer.memory.plan.resident_with_mapped_files", lambda files: more)
+    monkeypatch.setattr("edgeinfer.memory.plan.peak_rss", lambda: more)
     context = LoadConfig(parallel=4, fit_context=fit).context_for(8192)
     assert fit.plan.parallel == 4 and context == fit.plan.context_length
     assert context < estimate.context_length and fit.plan.total <= fit.plan.budget
@@ -374,7 +374,7 @@ def test_a_tiny_model_at_parallel_2(tiny_llama_gguf: Path) -> None:
     # pytest session, with whatever earlier tests imported) already holds
     import psutil
 
-    from edgeinfer.rss import peak_rss
+    from edgeinfer.memory.rss import peak_rss
 
     # the load checks the process's peak, which earlier tests in a long session may have set
     budget = max(peak_rss(), psutil.Process().memory_info().rss) + 2 * 10**9
@@ -409,8 +409,8 @@ def test_a_load_that_cannot_hold_its_slots_is_refused_before_loading(
 CHILD = r"""
 import json, sys, threading
 import edgeinfer
-from edgeinfer import catalog
-from edgeinfer.rss import peak_rss
+from edgeinfer.files import catalog
+from edgeinfer.memory.rss import peak_rss
 model, budget, slots = sys.argv[1], sys.argv[2], int(sys.argv[3])
 with edgeinfer.load(model, memory_budget=budget, threads=2, parallel=slots) as llm:
     n_ctx, n_vocab = llm.context_length, llm.info["vocab_size"]

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import edgeinfer
 from edgeinfer.errors import InvalidRequestError
-from edgeinfer.state import PromptCache
+from edgeinfer.generation.state import PromptCache
 
 pytest.importorskip("transformers", reason="needs the convert extra")
 
@@ -80,7 +80,7 @@ def test_a_new_process_reads_the_prefix(tiny_llama_gguf: Path, tmp_path: Path) -
     script = textwrap.dedent(
         f"""
         import edgeinfer, json
-        from edgeinfer.state import PromptCache
+        from edgeinfer.generation.state import PromptCache
         m = edgeinfer.load({str(tiny_llama_gguf)!r}, context_length=256, threads=1,
                            prompt_cache=PromptCache({str(tmp_path)!r}, min_tokens=32))
         r = m.generate({second!r}, max_new_tokens=6, temperature=0)
@@ -121,7 +121,7 @@ def test_hostile_files_are_ignored_with_one_warning_each(
     second, want = _fill(tiny_path, folder)
     bad = _hostile_folder(tiny_path, folder, tiny_qwen2_gguf, tmp_path / "outside")
     caplog.clear()
-    caplog.set_level(logging.WARNING, logger="edgeinfer.state")
+    caplog.set_level(logging.WARNING, logger="edgeinfer.generation.state")
     with _load(tiny_path, PromptCache(folder, min_tokens=32, max_bytes=1 << 30)) as model:
         for _ in range(2):
             result = model.generate(second, max_new_tokens=6, temperature=0)
@@ -202,14 +202,14 @@ def test_hostile_bytes_in_the_folder(
     """Any bytes named *.kvs, with or without a valid magic: the cache finds nothing and the
     request runs as without it."""
     folder = tmp_path_factory.mktemp("hostile")
-    from edgeinfer.state.snapshot import MAGIC
+    from edgeinfer.generation.state.snapshot import MAGIC
 
     for i, blob in enumerate(files):
         prefix = MAGIC + b"\x01\x00\x00\x00" if data.draw(st.booleans()) else b""
         (folder / f"{i}.kvs").write_bytes(prefix + blob)
     model = _hostile_model(tiny_llama_gguf)
     cache = PromptCache(folder, min_tokens=32)
-    from edgeinfer.state.sequence import SeqStates
+    from edgeinfer.generation.state.sequence import SeqStates
 
     states = SeqStates(model._backend, model._path)
     prompt = _prompts(model)[1]
@@ -240,7 +240,7 @@ def test_crash_a_real_process_on_a_hostile_folder(tiny_llama_gguf: Path, tmp_pat
         f"""
         import edgeinfer, signal
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        from edgeinfer.state import PromptCache
+        from edgeinfer.generation.state import PromptCache
         m = edgeinfer.load({str(tiny_llama_gguf)!r}, context_length=256, threads=1,
                            prompt_cache=PromptCache({str(tmp_path)!r}, min_tokens=32))
         r = m.generate("word " * 30, max_new_tokens=3)

@@ -13,9 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import edgeinfer
-from edgeinfer.state import PromptCache
-from edgeinfer.state.prompt_cache import _name
-from edgeinfer.state.snapshot import FORMAT_VERSION, MAGIC, MAX_HEADER_BYTES, write_snapshot
+from edgeinfer.generation.state import PromptCache
+from edgeinfer.generation.state.prompt_cache import _name
+from edgeinfer.generation.state.snapshot import (
+    FORMAT_VERSION,
+    MAGIC,
+    MAX_HEADER_BYTES,
+    write_snapshot,
+)
 
 FP = {"model_sha256": "0" * 64, "backend": "test", "layout": {"n_ctx": 64}}
 HOUR = 3600.0
@@ -261,7 +266,7 @@ def test_a_real_process_evicting_beside_a_users_files(
         import signal
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         import edgeinfer
-        from edgeinfer.state import PromptCache
+        from edgeinfer.generation.state import PromptCache
         cache = PromptCache({str(folder)!r}, min_tokens=32, max_bytes=1)
         with edgeinfer.load({str(tiny_llama_gguf)!r}, context_length=256, threads=1,
                             prompt_cache=cache) as m:

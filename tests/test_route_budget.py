@@ -15,7 +15,7 @@ from edgeinfer import MemoryBudgetError
 
 CHILD = """
 import json, sys, edgeinfer
-from edgeinfer.rss import peak_rss
+from edgeinfer.memory.rss import peak_rss
 with edgeinfer.load("smollm2-135m-instruct", memory_budget=sys.argv[1], threads=2) as m:
     r = m.generate("The capital of France is", max_new_tokens=16, temperature=0)
     print(json.dumps({"route": m.info["route"], "peak": peak_rss(), "n": len(r.token_ids),

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from edgeinfer import InvalidRequestError, SamplingConfig
-from edgeinfer.sampling import Sampler
+from edgeinfer.generation.sampling import Sampler
 
 RNG = np.random.default_rng(1234)
 LOGITS = RNG.normal(0, 2, size=1000).astype(np.float32)

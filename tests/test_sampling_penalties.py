@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgeinfer import InvalidRequestError, SamplingConfig
-from edgeinfer.sampling import Sampler
+from edgeinfer.generation.sampling import Sampler
 
 VOCAB = 50
 

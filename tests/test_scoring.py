@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import edgeinfer
 from edgeinfer import InvalidRequestError
+from edgeinfer.generation.scoring import MAX_TOP_LOGPROBS, log_softmax
 from edgeinfer.model import Model
-from edgeinfer.scoring import MAX_TOP_LOGPROBS, log_softmax
 
 from . import ggufgen
 from .fakes import FakeBackend

@@ -315,7 +315,7 @@ def test_openai_agents_runs_a_function_tool(hermes: Server) -> None:  # noqa: F8
 
 def test_events_close_the_message_before_a_call_and_a_failure_ends_the_stream() -> None:
     """The event builder alone: text, a call, more text; and a generation failing mid-way."""
-    from edgeinfer.generation import Chunk, GenerationResult, GenerationStats
+    from edgeinfer.generation.results import Chunk, GenerationResult, GenerationStats
     from edgeinfer.serve.response_objects import ResponseShape
     from edgeinfer.serve.response_store import ResponseStore
     from edgeinfer.serve.response_stream import Events

@@ -21,8 +21,7 @@ from hypothesis import strategies as st
 
 import edgeinfer
 from edgeinfer import InvalidRequestError
-from edgeinfer.model import Model
-from edgeinfer.speculative import (
+from edgeinfer.generation.speculative import (
     MAX_DRAFT,
     DraftBudget,
     PassCosts,
@@ -30,6 +29,7 @@ from edgeinfer.speculative import (
     SpeculativeConfig,
     parse_speculative,
 )
+from edgeinfer.model import Model
 
 from . import ggufgen
 from .fakes import EOS, VOCAB, FakeTokenizer

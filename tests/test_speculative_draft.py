@@ -26,12 +26,9 @@ from hypothesis import strategies as st
 
 import edgeinfer
 from edgeinfer import InvalidRequestError, MemoryBudgetError
-from edgeinfer.draft_model import DraftModel
-from edgeinfer.memory import plan_memory
-from edgeinfer.model import Model
-from edgeinfer.model_shape import shape_of
-from edgeinfer.model_source import resolve
-from edgeinfer.speculative import (
+from edgeinfer.files.source import resolve
+from edgeinfer.generation.draft_model import DraftModel
+from edgeinfer.generation.speculative import (
     MAX_DRAFT,
     DraftBudget,
     DraftCosts,
@@ -39,6 +36,9 @@ from edgeinfer.speculative import (
     SpeculativeConfig,
     parse_speculative,
 )
+from edgeinfer.memory.plan import plan_memory
+from edgeinfer.memory.shape import shape_of
+from edgeinfer.model import Model
 
 from . import ggufgen
 from .fakes import EOS
@@ -552,8 +552,8 @@ _TOKEN = st.binary(min_size=1, max_size=5)
 def _vocab_file(
     folder: Path, name: str, tokens: list[bytes], types: list[int], merges: list[bytes]
 ):
-    from edgeinfer.gguf_file import read_gguf_header
-    from edgeinfer.model_source import ModelSource
+    from edgeinfer.files.gguf_file import read_gguf_header
+    from edgeinfer.files.source import ModelSource
 
     meta = {
         "general.architecture": ggufgen.Value(ggufgen.STRING, "llama"),
@@ -570,7 +570,7 @@ def _vocab_file(
 def test_two_gguf_vocabularies_part_exactly_where_their_arrays_do(
     tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
 ) -> None:
-    from edgeinfer.draft_vocab import check_files
+    from edgeinfer.generation.draft_vocab import check_files
 
     tokens = data.draw(st.lists(_TOKEN, min_size=1, max_size=24), label="tokens")
     types = data.draw(st.lists(st.integers(1, 6), min_size=len(tokens), max_size=len(tokens)))
@@ -607,7 +607,7 @@ _JSON = st.recursive(
 @settings(max_examples=300, deadline=None)
 def test_any_tokenizer_json_is_read_or_refused_in_a_typed_error(a: Any, b: Any) -> None:
     """A stranger's tokenizer.json of any shape: compared, never a crash."""
-    from edgeinfer.draft_vocab import _json_merges, _json_tokens
+    from edgeinfer.generation.draft_vocab import _json_merges, _json_tokens
 
     for data in (a, b, {"model": a, "added_tokens": b}, {"model": {"vocab": a, "merges": b}}):
         assert isinstance(_json_tokens(data), dict)

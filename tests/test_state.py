@@ -1,5 +1,5 @@
-"""KV snapshots (edgeinfer.state): the file format against hostile bytes, and save_state /
-load_state exact on both backends and both tiny families."""
+"""KV snapshots (edgeinfer.generation.state): the file format against hostile bytes, and
+save_state / load_state exact on both backends and both tiny families."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import edgeinfer
 from edgeinfer.errors import SnapshotError
-from edgeinfer.state import snapshot
-from edgeinfer.state.snapshot import open_snapshot, read_header, write_snapshot
+from edgeinfer.generation.state import snapshot
+from edgeinfer.generation.state.snapshot import open_snapshot, read_header, write_snapshot
 
 FINGERPRINT = {"model_sha256": "0" * 64, "backend": "test", "layout": {"n_ctx": 64}}
 

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import edgeinfer
 from edgeinfer.errors import SnapshotError
-from edgeinfer.state import fingerprint
-from edgeinfer.state.snapshot import open_snapshot, read_header, write_snapshot
+from edgeinfer.generation.state import fingerprint
+from edgeinfer.generation.state.snapshot import open_snapshot, read_header, write_snapshot
 
 from .ggufgen import tiny_llama
 

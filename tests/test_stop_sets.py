@@ -1,5 +1,5 @@
 """A transcode stops where its source stops: the end-of-generation set edgeinfer computes from
-a GGUF's metadata (``edgeinfer.gguf_eog``) is the set llama.cpp stops on, asked of llama.cpp
+a GGUF's metadata (``edgeinfer.files.gguf_eog``) is the set llama.cpp stops on, asked of llama.cpp
 for every id, on hypothesis-drawn vocabularies, on each tiny family (a Qwen2 vocabulary with
 the Qwen2.5-Coder fill-in-the-middle tokens among them) and on the default catalog model; the
 folder a conversion writes carries it, and the ONNX route stops on it as the GGUF route does."""
@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 import edgeinfer
 from edgeinfer.cli import main as cli_main
-from edgeinfer.gguf_checks import check_gguf_model
-from edgeinfer.gguf_eog import EOG_TEXTS, end_of_generation_ids
-from edgeinfer.gguf_file import read_gguf_header
+from edgeinfer.files.gguf_checks import check_gguf_model
+from edgeinfer.files.gguf_eog import EOG_TEXTS, end_of_generation_ids
+from edgeinfer.files.gguf_file import read_gguf_header
 
 from . import ggufgen
 from .ggufgen import ARRAY, I32, STRING, U32, Value

@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgeinfer.errors import InvalidRequestError
+from edgeinfer.generation.sampling import SamplingConfig
+from edgeinfer.generation.structured import check_response_format, compile_constraint
+from edgeinfer.generation.structured_bounds import MAX_EXPANSION, MAX_SCHEMA_DEPTH
 from edgeinfer.model import Model
-from edgeinfer.sampling import SamplingConfig
-from edgeinfer.structured import check_response_format, compile_constraint
-from edgeinfer.structured_bounds import MAX_EXPANSION, MAX_SCHEMA_DEPTH
 
 from .fakes import FakeBackend, FakeTokenizer
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import edgeinfer
 from edgeinfer.errors import InvalidRequestError
-from edgeinfer.structured import compile_constraint, named_properties_only
+from edgeinfer.generation.structured import compile_constraint, named_properties_only
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
@@ -137,7 +137,7 @@ def test_named_properties_only_takes_any_json(schema: dict[str, Any]) -> None:
 def test_a_cut_reply_is_flagged_and_logged(
     tiny: edgeinfer.Model, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="edgeinfer.generation"):
+    with caplog.at_level(logging.WARNING, logger="edgeinfer.generation.results"):
         r = tiny.generate(
             "Data:", temperature=1.0, seed=1, max_new_tokens=3, response_format=_fmt(FRUITS)
         )

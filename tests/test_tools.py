@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgeinfer.errors import InvalidRequestError
-from edgeinfer.generation import Chunk, GenerationStats, TokenStream
+from edgeinfer.generation.results import Chunk, GenerationStats, TokenStream
 from edgeinfer.model import Model
 from edgeinfer.tools import check_tool_choice, check_tools, detect_format
 from edgeinfer.tools.formats import FORMATS, GENERIC_PREAMBLE

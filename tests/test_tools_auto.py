@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgeinfer.generation import Chunk, TokenStream
+from edgeinfer.generation.results import Chunk, TokenStream
+from edgeinfer.generation.structured import compile_constraint
 from edgeinfer.model import Model
-from edgeinfer.structured import compile_constraint
 from edgeinfer.tools import check_tools, detect_format
 from edgeinfer.tools.formats import FORMATS
 from edgeinfer.tools.markers import RESULT_MARKERS, Markers, ReplyText, find_markers
@@ -240,7 +240,7 @@ def test_under_auto_grammar_a_reply_is_text_or_valid_calls(seed: int) -> None:
 
 
 def test_auto_grammar_steps_aside_for_stop_strings_and_response_formats() -> None:
-    from edgeinfer.sampling import SamplingConfig
+    from edgeinfer.generation.sampling import SamplingConfig
     from edgeinfer.tools import ToolRequest
 
     request = ToolRequest.build(TOOLS, "auto", None, CHATML)
@@ -453,7 +453,7 @@ WEATHER = {"type": "function", "function": {
 
 @pytest.mark.model
 def test_qwen_coder_makes_a_valid_weather_call_under_the_default_auto() -> None:
-    from edgeinfer.catalog import is_present, lookup
+    from edgeinfer.files.catalog import is_present, lookup
 
     entry = lookup("qwen2.5-coder-0.5b-instruct")
     if entry is None or not is_present(entry):

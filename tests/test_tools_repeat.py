@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgeinfer.generation import Chunk, TokenStream
+from edgeinfer.generation.results import Chunk, TokenStream
+from edgeinfer.generation.structured import compile_constraint
 from edgeinfer.model import Model
-from edgeinfer.structured import compile_constraint
 from edgeinfer.tools import check_tool_choice, check_tools
 from edgeinfer.tools.formats import FORMATS, MAX_PARALLEL_CALLS
 from edgeinfer.tools.stream import ToolCallStream

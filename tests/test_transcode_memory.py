@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from edgeinfer.converters.onnx.builder import build_onnx_from_gguf, tensors
-from edgeinfer.gguf_file import read_gguf_header
+from edgeinfer.files.gguf_file import read_gguf_header
 
 from .ggufgen import Tensor, tiny_llama
 

@@ -182,7 +182,7 @@ def test_every_module_imports_from_the_installed_wheel(venv: Venv) -> None:
     assert {
         "edgeinfer.runtimes.base",
         "edgeinfer.converters.onnx.builder",
-        "edgeinfer.state",
+        "edgeinfer.generation.state",
     } <= set(walk["names"])
     assert walk["failed"] == {}
 

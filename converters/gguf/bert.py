@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from edgeinfer.encoder_folder import EncoderFolder, read_safetensors
 from edgeinfer.errors import ConversionError
+from edgeinfer.files.encoder_folder import EncoderFolder, read_safetensors
 
 __all__ = ["BERT_GGUF_FORMAT", "POOLING_TYPES", "write_bert_gguf"]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from edgeinfer.errors import ConversionError, EdgeInferError, ModelLoadError
-from edgeinfer.gguf_checks import check_gguf_model
-from edgeinfer.gguf_file import GGUF_MAGIC, read_gguf_header
+from edgeinfer.files.gguf_checks import check_gguf_model
+from edgeinfer.files.gguf_file import GGUF_MAGIC, read_gguf_header
 
 from ..atomic import atomic_output_file
 from ..config import ConvertConfig

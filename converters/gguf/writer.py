@@ -26,8 +26,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from edgeinfer.errors import ConversionError, ModelLoadError
-from edgeinfer.gguf_checks import check_gguf_model
-from edgeinfer.gguf_file import read_gguf_header
+from edgeinfer.files.gguf_checks import check_gguf_model
+from edgeinfer.files.gguf_file import read_gguf_header
 
 from ..atomic import ensure_free_space
 from ..sources.hf_config import ModelConfig, read_model_config

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from edgeinfer.encoder_folder import EncoderFolder, read_safetensors
 from edgeinfer.errors import ConversionError
+from edgeinfer.files.encoder_folder import EncoderFolder, read_safetensors
 
 from .builder.graph import Graph
 from .encoder_reference import reference_hidden, weight_getter

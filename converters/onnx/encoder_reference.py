@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from edgeinfer.encoder_folder import EncoderConfig
+from edgeinfer.files.encoder_folder import EncoderConfig
 
 __all__ = ["gelu", "reference_hidden", "weight_getter"]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from edgeinfer.errors import ConversionError
-from edgeinfer.manifest import Architecture, Manifest
+from edgeinfer.files.manifest import Architecture, Manifest
 
 from ..config import ConvertConfig
 from ..sources.checkpoint import SourceCheckpoint

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from edgeinfer.manifest import Architecture, Manifest
+from edgeinfer.files.manifest import Architecture, Manifest
 
 from ..sources.checkpoint import file_sha256
 from .builder import BuildReport, build_onnx_from_gguf

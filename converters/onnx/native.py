@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from edgeinfer.errors import BackendUnavailableError, ConversionError
-from edgeinfer.gguf_file import read_gguf_header
-from edgeinfer.manifest import Manifest
+from edgeinfer.files.gguf_file import read_gguf_header
+from edgeinfer.files.manifest import Manifest
 from edgeinfer.progress import Progress
 
 from ..atomic import atomic_output_dir, ensure_free_space

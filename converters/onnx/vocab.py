@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from edgeinfer.errors import ConversionError
-from edgeinfer.gguf_checks import check_gguf_model
-from edgeinfer.gguf_eog import end_of_generation_ids
-from edgeinfer.gguf_file import read_gguf_header
+from edgeinfer.files.gguf_checks import check_gguf_model
+from edgeinfer.files.gguf_eog import end_of_generation_ids
+from edgeinfer.files.gguf_file import read_gguf_header
 
 __all__ = [
     "GGUFVocabulary",

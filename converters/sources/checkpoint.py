@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgeinfer.errors import ConversionError, EdgeInferError
-from edgeinfer.gguf_checks import check_gguf_model
-from edgeinfer.gguf_file import GGUF_MAGIC, read_gguf_header
+from edgeinfer.files.gguf_checks import check_gguf_model
+from edgeinfer.files.gguf_file import GGUF_MAGIC, read_gguf_header
 
 from .hf_config import read_model_config
 from .safetensors_reader import open_checkpoint

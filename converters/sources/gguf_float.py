@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO
 
 from edgeinfer.errors import ConversionError
-from edgeinfer.gguf_file import GGUFHeader, TensorInfo, read_gguf_header
+from edgeinfer.files.gguf_file import GGUFHeader, TensorInfo, read_gguf_header
 
 from ..atomic import atomic_output_file, ensure_free_space
 from .checkpoint import file_sha256
@@ -71,7 +71,7 @@ def cached_float_gguf(src: str | Path, home: str | Path | None = None) -> Path:
     """``src`` as an F32 GGUF under ``home/derived`` (``$EDGEINFER_HOME`` by default),
     written once and reused while the source and this code are the same."""
     if home is None:
-        from edgeinfer.catalog import edgeinfer_home
+        from edgeinfer.files.catalog import edgeinfer_home
 
         home = edgeinfer_home()
     src = Path(src)

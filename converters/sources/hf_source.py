@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from edgeinfer.errors import ConversionError
-from edgeinfer.gguf_file import GGUFHeader, TensorInfo
+from edgeinfer.files.gguf_file import GGUFHeader, TensorInfo
 
 from .hf_config import read_json_object, read_model_config
 from .safetensors_reader import SafetensorsIndex, open_checkpoint

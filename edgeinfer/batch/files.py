@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 
 from ..bounded_json import open_regular, parse_json
 from ..errors import EdgeInferError, InvalidRequestError
-from ..sampling import SamplingConfig
+from ..generation.sampling import SamplingConfig
 from .records import (
     MAX_ID_CHARS,
     MAX_LINE_BYTES,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..errors import EdgeInferError, InvalidRequestError, short_repr
-from ..sampling import SamplingConfig
+from ..generation.sampling import SamplingConfig
 from .files import count_lines, read_rows
 from .meter import Meter
 from .output import OutputFile, check_output, recover
@@ -102,7 +102,7 @@ class RowWarnings(logging.Filter):
 @contextmanager
 def row_warnings() -> Iterator[None]:
     """Warnings about a row name the row, for as long as the job runs."""
-    generation_log = logging.getLogger("edgeinfer.generation")
+    generation_log = logging.getLogger("edgeinfer.generation.results")
     quiet = RowWarnings()
     generation_log.addFilter(quiet)
     try:

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..errors import BackendUnavailableError, EdgeInferError
-from ..sampling import SamplingConfig
+from ..generation.sampling import SamplingConfig
 from .files import read_rows
 from .job import BatchSummary, Plan, RowWarnings, check_paths, run_rows
 from .meter import Meter
@@ -49,7 +49,9 @@ class RowActor:
     ) -> None:
         from ..loader import load
 
-        logging.getLogger("edgeinfer.generation").addFilter(RowWarnings())  # run_row names rows
+        logging.getLogger("edgeinfer.generation.results").addFilter(
+            RowWarnings()
+        )  # run_row names rows
         self._model = load(model, **dict(load_options))
         if chat_template is not None:
             self._model.use_chat_template(chat_template)

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..bounded_json import parse_json
 from ..errors import EdgeInferError, InvalidRequestError, short_repr
-from ..sampling import SamplingConfig
+from ..generation.sampling import SamplingConfig
 
 __all__ = [
     "MAX_ID_CHARS",

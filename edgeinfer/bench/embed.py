@@ -54,14 +54,14 @@ def tickets(n: int = 256) -> list[str]:
 def is_embedding_model(model: str) -> bool:
     """Whether ``model`` (a catalog name, a folder or a file) is an embedding model; a name
     that resolves to nothing is not (the generation bench reports it)."""
-    from .. import catalog
+    from ..files import catalog
 
     entry = catalog.lookup(model)
     if entry is not None:
         return getattr(entry, "kind", "generation") == "embedding"
-    from ..embedding_gguf import is_embedding_gguf
+    from ..embedding.gguf import is_embedding_gguf
     from ..errors import EdgeInferError
-    from ..model_source import resolve
+    from ..files.source import resolve
 
     try:
         source = resolve(model)
@@ -74,7 +74,7 @@ def is_embedding_model(model: str) -> bool:
 
 def _folder(model: str) -> Path | None:
     """The sentence-transformers folder of ``model`` (None for a GGUF)."""
-    from .. import catalog
+    from ..files import catalog
 
     entry = catalog.lookup(model)
     path = catalog.fetch(model) if entry is not None else Path(model)

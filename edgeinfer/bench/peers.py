@@ -38,7 +38,7 @@ class Peer:
 def as_named(given: str, path: Path) -> str:
     """What edgeinfer's run loads: a catalog name as named (``load()`` routes a catalog
     GGUF by its name: ``--engine``, ``--parallel``), anything else by its resolved path."""
-    from .. import catalog
+    from ..files import catalog
 
     named = catalog.lookup(given) is not None and not Path(given).expanduser().exists()
     return given if named else str(path)
@@ -71,7 +71,7 @@ def peer_kind(path: Path) -> str | None:
 def _shared_kv(folder: Path) -> bool:
     """A graph with a shared KV cache (GroupQueryAttention): optimum cannot run it."""
     from ..errors import ModelLoadError
-    from ..manifest import MANIFEST_NAME, Manifest
+    from ..files.manifest import MANIFEST_NAME, Manifest
 
     if not (folder / MANIFEST_NAME).is_file():
         return False
@@ -132,8 +132,8 @@ def policy_llama(path: str, **kwargs: Any) -> Any:
     import llama_cpp.llama_cpp as bindings
     from llama_cpp import Llama
 
-    from ..inventory import devices
-    from ..policy import plan_providers
+    from ..machine.inventory import devices
+    from ..machine.policy import plan_providers
 
     options = plan_providers(devices(engines=("llama_cpp",)), "gguf", "cpu").candidates[0].options
     default_params = bindings.llama_model_default_params

@@ -26,7 +26,7 @@ from ..errors import (
     MemoryBudgetError,
     ModelLoadError,
 )
-from ..speculative import parse_speculative
+from ..generation.speculative import parse_speculative
 from .peers import Peer, as_named, peers_for
 from .records import (
     MAX_PARALLEL,
@@ -355,8 +355,8 @@ def run_bench(
 ) -> BenchReport:
     """Measure every model in ``settings``; returns the report, partial when interrupted
     (``report.interrupted``) or when edgeinfer itself failed (``report.errors``)."""
-    from ..busy import busy_record
-    from ..inventory import devices
+    from ..machine.busy import busy_record
+    from ..machine.inventory import devices
 
     s = settings.checked()
     progress = progress or ProgressLine()

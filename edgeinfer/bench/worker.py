@@ -18,7 +18,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..errors import EdgeInferError
-from ..rss import peak_rss
+from ..memory.rss import peak_rss
 from .peers import policy_llama
 from .streams import run_edgeinfer_parallel, run_genai_engine
 from .workload import end_of_generation_ids, prompt_ids

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .. import catalog
+from ..files import catalog
 from .chat_session import SessionFiles
 from .common import (
     MODEL_HELP,

@@ -17,8 +17,8 @@ import sys
 from typing import Any
 
 from ..bounded_json import read_json_file
-from ..catalog import edgeinfer_home
 from ..errors import InvalidRequestError, SnapshotError
+from ..files.catalog import edgeinfer_home
 
 __all__ = ["SessionFiles"]
 

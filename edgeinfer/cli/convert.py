@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-from ..manifest import KV_DTYPES
+from ..files.manifest import KV_DTYPES
 
 _DESCRIPTION = (
     "Convert SRC (a .gguf file or a Hugging Face folder with safetensors) into "

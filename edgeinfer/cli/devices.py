@@ -11,15 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from ..bounded_json import read_json_file
-from ..busy import busy_record
 from ..config import LoadConfig
 from ..errors import EdgeInferError, InvalidRequestError
-from ..inventory import DeviceInventory, build_inventory, devices
 from ..load_plan import Machine, plan_load, route_for
-from ..memory import MemoryBudget, MemoryPlan
-from ..policy import ProviderPlan, plan_providers
-from ..probes import PACKAGES, MachineProbe, RecordedProbe, RecordingProbe
-from ..routes import Route
+from ..machine.busy import busy_record
+from ..machine.inventory import DeviceInventory, build_inventory, devices
+from ..machine.policy import ProviderPlan, plan_providers
+from ..machine.probes import PACKAGES, MachineProbe, RecordedProbe, RecordingProbe
+from ..machine.routes import Route
+from ..memory.plan import MemoryBudget, MemoryPlan
 from .common import MODEL_HELP
 
 

@@ -26,7 +26,7 @@ from typing import IO, Any
 
 from ..batch.output import OutputWriteError, write_failed
 from ..bounded_json import parse_json
-from ..embedding import MAX_TEXT_CHARS
+from ..embedding.batches import MAX_TEXT_CHARS
 from ..errors import EdgeInferError, InvalidRequestError
 from ..progress import Progress
 from .common import MODEL_HELP, add_model_flags, load_model

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .. import catalog
 from ..errors import InvalidRequestError
+from ..files import catalog
 
 
 def add_parser(sub: Any) -> None:
@@ -56,7 +56,7 @@ def _status(entry: catalog.CatalogEntry) -> str:
     if catalog.is_present(entry):
         return "present"
     if entry.is_chunked:
-        from ..catalog_chunks import partial_parts
+        from ..files.catalog_chunks import partial_parts
 
         kept = partial_parts(entry, catalog.local_path(entry))
         if kept is not None:
@@ -67,9 +67,9 @@ def _status(entry: catalog.CatalogEntry) -> str:
 def _transcode_line(entry: catalog.CatalogEntry) -> str | None:
     """The ONNX folder ``load()`` built from this GGUF, if any, and whether it was checked."""
     from ..errors import EdgeInferError
+    from ..files.manifest import MANIFEST_NAME, Manifest
+    from ..files.source import ModelSource
     from ..loader import native_folder_for
-    from ..manifest import MANIFEST_NAME, Manifest
-    from ..model_source import ModelSource
 
     if entry.format != "gguf" or entry.sha256 is None:
         return None

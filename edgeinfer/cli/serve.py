@@ -173,7 +173,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise BackendUnavailableError(
             "edgeinfer serve needs the server extra: pip install 'edgeinfer[serve]'"
         ) from exc
-    from .. import catalog
+    from ..files import catalog
     from ..serve.app import create_app
 
     check_settings(args)

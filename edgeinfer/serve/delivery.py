@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..errors import InvalidRequestError
-from ..generation import GenerationResult
+from ..generation.results import GenerationResult
 from .connection import FINAL, Connection, Gone
 from .jobs import Job
 from .replies import figures, invalid, server_error, shutting_down

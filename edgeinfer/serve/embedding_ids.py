@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..embedding import EmbedResult
+from ..embedding.batches import EmbedResult
 from ..model import Model
 from . import wire
 

@@ -31,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..embedding import MAX_TEXT_CHARS
+from ..embedding.batches import MAX_TEXT_CHARS
 from ..errors import InvalidRequestError
 from . import wire
 from .body import ClientLeft, read_json

@@ -2,7 +2,7 @@
 
 ``chat``, ``completions`` and ``responses`` check the caller's key, read and check the body
 (``body.py``, ``wire.py``, ``responses.py``), admit a job (``admission.py``) and return the
-reply that follows it (``delivery.py``); a refusal before that is a JSON error with its
+reply that follows it (``generation/delivery.py``); a refusal before that is a JSON error with its
 status. ``models``, ``model`` and ``health`` describe the server; the last three answer what
 Starlette itself refuses.
 """

@@ -12,7 +12,7 @@ import asyncio
 import threading
 from typing import Any, Literal, Protocol
 
-from ..generation import TokenStream
+from ..generation.results import TokenStream
 
 __all__ = ["Job", "Turns"]
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import EdgeInferError, InvalidRequestError, ModelBusyError
-from ..generation import GenerationResult
+from ..generation.results import GenerationResult
 from . import wire
 
 __all__ = [

@@ -15,8 +15,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..generation import GenerationStats
-from ..sampling import SamplingConfig
+from ..generation.results import GenerationStats
+from ..generation.sampling import SamplingConfig
 from .response_store import ResponseStore
 
 __all__ = [

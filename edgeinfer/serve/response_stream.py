@@ -18,7 +18,7 @@ import json
 import logging
 from typing import Any
 
-from ..generation import Chunk, GenerationResult
+from ..generation.results import Chunk, GenerationResult
 from .connection import Connection
 from .replies import figures, server_error
 from .response_objects import ResponseShape, call_item, message_item, new_id, text_part

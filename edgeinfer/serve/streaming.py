@@ -9,7 +9,7 @@ import json
 import logging
 from typing import Any
 
-from ..generation import Chunk
+from ..generation.results import Chunk
 from . import wire
 from .connection import Connection
 from .replies import figures, server_error

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from ..chat import validate_messages
 from ..errors import InvalidRequestError
-from ..generation import GenerationStats
+from ..generation.results import GenerationStats
 from ..tools.spec import check_parallel, check_tool_choice, check_tools
 from . import logprobs
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidRequestError
-from ..structured_bounds import MAX_GRAMMAR_BYTES
+from ..generation.structured_bounds import MAX_GRAMMAR_BYTES
 from .grammar import arguments_rules
 from .spec import Tool, ToolChoice
 

@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..detokenizer import IncrementalDetokenizer
-from ..generation import Chunk
+from ..generation.detokenizer import IncrementalDetokenizer
+from ..generation.results import Chunk
 from .formats import CallFormat
 
 __all__ = ["Markers", "ReplyText", "find_markers"]

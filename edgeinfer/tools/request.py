@@ -18,8 +18,8 @@ from typing import Any
 
 from ..chat import validate_messages
 from ..errors import InvalidRequestError
-from ..generation import TokenStream
-from ..sampling import SamplingConfig
+from ..generation.results import TokenStream
+from ..generation.sampling import SamplingConfig
 from .formats import CallFormat, detect_format, generic_messages
 from .markers import Markers, ReplyText, result_markers
 from .retry import CALL, RetryPlan

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..generation import TokenStream
+from ..generation.results import TokenStream
 from .markers import ReplyText
 
 __all__ = ["RetryPlan", "answered_calls", "call_key"]

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 from ..chat import validate_messages
 from ..errors import InvalidRequestError
-from ..generation import GenerationResult, TokenStream
-from ..sampling import SamplingConfig
+from ..generation.results import GenerationResult, TokenStream
+from ..generation.sampling import SamplingConfig
 from .markers import find_markers
 from .request import AUTO_MODES, ToolRequest
 from .retry import answered_calls

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidRequestError, short_repr
-from ..structured_bounds import check_schema
+from ..generation.structured_bounds import check_schema
 from .schema import check_parameters
 
 __all__ = [

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..generation import Chunk, GenerationResult, GenerationStats, TokenStream
+from ..generation.results import Chunk, GenerationResult, GenerationStats, TokenStream
 from . import preamble
 from .formats import CallFormat
 from .markers import ReplyText

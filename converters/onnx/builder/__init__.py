@@ -20,7 +20,7 @@ What lives where:
 
 Adding an architecture: an entry in ``arch.ARCHITECTURES`` (its GGUF ``general.architecture``
 -> an ``Arch`` naming what differs from a Llama layer), plus the same name in
-``edgeinfer.gguf_checks`` (which checks the header first). Where it needs an operator the
+``edgeinfer.files.gguf_checks`` (which checks the header first). Where it needs an operator the
 builder lacks, add one function in the module of its part (an activation to
 ``parts.ACTIVATIONS``) and an ``Arch`` field that the part reads.
 """

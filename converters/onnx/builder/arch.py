@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from edgeinfer.errors import ConversionError
-from edgeinfer.gguf_checks import check_gguf_model
-from edgeinfer.gguf_file import GGUFHeader
+from edgeinfer.files.gguf_checks import check_gguf_model
+from edgeinfer.files.gguf_file import GGUFHeader
 
 __all__ = [
     "ARCHITECTURES",

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgeinfer.errors import ConversionError
-from edgeinfer.gguf_file import TensorInfo
+from edgeinfer.files.gguf_file import TensorInfo
 
 from .context import BuildContext
 from .linear import linear

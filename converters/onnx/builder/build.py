@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from edgeinfer.gguf_file import GGUFHeader, read_gguf_header
+from edgeinfer.files.gguf_file import GGUFHeader, read_gguf_header
 
 from .arch import architecture, gguf_shape
 from .context import BuildContext, BuildReport, Quant, check_kv_dtype

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgeinfer.errors import ConversionError
-from edgeinfer.gguf_file import TensorInfo
-from edgeinfer.manifest import KV_DTYPES  # the KV cache's element types (past/present)
+from edgeinfer.files.gguf_file import TensorInfo
+from edgeinfer.files.manifest import KV_DTYPES  # the KV cache's element types (past/present)
 
 from .arch import Arch, Shape
 from .graph import Graph

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from edgeinfer.errors import ConversionError
-from edgeinfer.gguf_file import TensorInfo
+from edgeinfer.files.gguf_file import TensorInfo
 
 from ..quantize import quantize_searched
 from .context import BuildContext

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgeinfer.gguf_file import TensorInfo
+from edgeinfer.files.gguf_file import TensorInfo
 from edgeinfer.runtimes.onnx_checks import LOGITS_TO_KEEP
 
 from .context import BuildContext

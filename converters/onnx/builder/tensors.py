@@ -13,7 +13,7 @@ from typing import Protocol
 import numpy as np
 
 from edgeinfer.errors import ConversionError
-from edgeinfer.gguf_file import GGUFHeader, TensorInfo
+from edgeinfer.files.gguf_file import GGUFHeader, TensorInfo
 
 from .gguf_blocks import transcode
 

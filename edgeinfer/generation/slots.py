@@ -1,0 +1,158 @@
+"""A slot backend's sequences seen one at a time: ``SlotView`` (one slot as a plain
+single-sequence backend, what ``KVHistory``, ``slide``, the prompt cache and speculative
+decoding drive), ``OneSlot`` (a plain backend seen as a slot backend of one slot, so the
+generation loop drives every backend the same way), ``slide`` (room made in a full cache)
+and ``Slot`` (what the loop keeps of each slot), with the loop's rule for which free slot a
+request takes (``slot_for``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .delivery import Submitted
+from .results import REUSE_GRANULE, KVHistory, SequenceState, shared_prefix
+
+if TYPE_CHECKING:
+    from ..runtimes.base import Backend, SlotBackend
+
+__all__ = ["OneSlot", "Slot", "SlotView", "rewind_quietly", "slide", "slot_for", "submitted"]
+
+logger = logging.getLogger(__name__)
+
+
+class OneSlot:
+    """A plain ``Backend`` (one sequence, no slot argument) seen as a slot backend of one
+    slot, so the engine drives it as it drives any other."""
+
+    n_slots = 1
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self.tokenizer = backend.tokenizer
+
+    @property
+    def n_ctx(self) -> int:
+        return self._backend.n_ctx
+
+    @property
+    def reuse_is_exact(self) -> bool:
+        return self._backend.reuse_is_exact
+
+    def slot_past(self, slot: int) -> int:
+        return self._backend.n_past
+
+    def prefill(self, token_ids: Sequence[int], slot: int = 0) -> np.ndarray:
+        return self._backend.prefill(token_ids)
+
+    def decode(self, token_id: int, slot: int = 0) -> np.ndarray:
+        return self._backend.decode(token_id)
+
+    def forward(self, token_ids: Sequence[int], slot: int = 0) -> np.ndarray:
+        return self._backend.forward(token_ids)  # type: ignore[attr-defined]
+
+    def rewind(self, n: int, slot: int = 0) -> None:
+        self._backend.rewind(n)
+
+    def decode_many(self, steps: Sequence[tuple[int, int]]) -> np.ndarray:
+        ((_, token),) = steps
+        return self._backend.decode(token)[None, :]
+
+
+class SlotView:
+    """One slot of a slot backend seen as a single-sequence backend (what ``KVHistory``,
+    ``slide``, the prompt cache and speculative decoding drive)."""
+
+    def __init__(self, backend: SlotBackend, slot: int) -> None:
+        self._backend = backend
+        self.slot = slot
+        self.tokenizer = backend.tokenizer
+
+    @property
+    def n_ctx(self) -> int:
+        return self._backend.n_ctx
+
+    @property
+    def n_past(self) -> int:
+        return self._backend.slot_past(self.slot)
+
+    @property
+    def reuse_is_exact(self) -> bool:
+        return self._backend.reuse_is_exact
+
+    def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
+        return self._backend.prefill(token_ids, self.slot)
+
+    def decode(self, token_id: int) -> np.ndarray:
+        return self._backend.decode(token_id, self.slot)
+
+    def forward(self, token_ids: Sequence[int]) -> np.ndarray:
+        return self._backend.forward(token_ids, self.slot)  # type: ignore[attr-defined]
+
+    def rewind(self, n: int) -> None:
+        self._backend.rewind(n, self.slot)
+
+
+def slide(backend: Backend | SlotView, history: KVHistory, token: int, keep: int) -> np.ndarray:
+    """Make room in a full cache: keep the first ``keep`` tokens and the newer half of the
+    rest, read them again after ``keep``, then ``token``; return ``token``'s logits."""
+    window = history.tokens
+    keep = min(keep, backend.n_ctx // 2)
+    recent = window[keep:][-((backend.n_ctx - keep) // 2) :]
+    backend.rewind(keep)
+    history.tokens = window[:keep]
+    kept_batched = history.batched >= keep
+    history.batched = min(history.batched, keep)
+    logits = backend.prefill([*recent, token])
+    history.tokens += [*recent, token]
+    if kept_batched:
+        history.batched = len(history.tokens)
+    return logits
+
+
+@dataclass(eq=False)
+class Slot:
+    """One slot of the loop: its view, KV history, the request it serves and that request's
+    sequence state, the prompt left to read and the token the next step appends."""
+
+    view: SlotView
+    history: KVHistory = field(default_factory=KVHistory)
+    request: Submitted | None = None
+    seq: SequenceState | None = None
+    pending: list[int] = field(default_factory=list)  # prompt tokens not read yet
+    done: int = 0  # prompt tokens in the cache
+    token: int | None = None  # the sampled token the next decode step appends
+    remember: int | None = None  # prompt tokens read, for the prompt cache's copy to come
+
+    def free(self) -> None:
+        self.request = self.seq = self.token = self.remember = None
+        self.pending = []
+
+
+def submitted(slot: Slot) -> float:
+    return slot.request.t_submit if slot.request is not None else 0.0
+
+
+def slot_for(free: list[Slot], ids: list[int]) -> Slot:
+    """The free slot whose cache holds the longest reusable prefix of ``ids``; without one,
+    the lowest free slot, so busy slots stay neighbours (backends run a step over a span of
+    rows: llama.cpp splits it at every gap, the ONNX graph pads the gaps)."""
+    best = max(free, key=lambda s: shared_prefix(s.history.tokens, ids))
+    if shared_prefix(best.history.tokens, ids) >= REUSE_GRANULE:
+        return best
+    return free[0]
+
+
+def rewind_quietly(view: SlotView, length: int = 0) -> bool:
+    """Rewind ``view`` to ``length`` entries where a pass over it has already failed: a second
+    failure is logged, not raised (the slot is reset on its next use); False then."""
+    try:
+        view.rewind(length)
+    except Exception:
+        logger.debug("could not rewind slot %d", view.slot, exc_info=True)
+        return False
+    return True
