@@ -23,7 +23,8 @@ QUIET_LOAD = 1.5  # load average (1 min) at the start of a run on a quiet machin
 LOADED_AT = 2.0  # ... and at its end: at least this (tests/figure_conditions.py holds the same)
 EXTRA_LOAD = 0.5  # ... or, for a run of more threads, this much above its own thread count
 _SIMD = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vnni",
-         "avx512_bf16", "amx_tile", "amx_int8", "avx_vnni", "neon", "asimd", "sve")  # fmt: skip
+         "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "avx_vnni", "neon", "asimd",
+         "sve")  # fmt: skip
 _PACKAGES = ("edgeinfer", "numpy", "onnxruntime", "llama_cpp_python", "tokenizers", "llguidance")
 
 

@@ -41,6 +41,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import conditions
+
 HERE = Path(__file__).parent
 ENGINES = ("onnx-native", "onnx-native-kv16", "gguf", "llama-cpp-python")
 SESSION_MODES = ("default", "no-prepacking", "prepacked-in-file", "no-constant-folding")
@@ -320,6 +322,7 @@ def _machine() -> dict[str, Any]:
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
+        "cpu_features": conditions.cpu()["simd"],
         "python": platform.python_version(),
         "onnxruntime": onnxruntime.__version__,
         "llama_cpp_python": llama_cpp.__version__,

@@ -46,6 +46,8 @@ IDLE = results("busy_cpu_idle.json")
 AGREE = results("agreement.json")
 BATCH_JOB = results("batch_job.json")
 PREFILL_RATE = results("prefill_rate.json")
+UNTOUCHED = results("onnx_memory_untouched.json")
+KV_PAGES = results("kv_pages.json")
 VALID = results("onnx-validation.json")
 INT4 = results("int4_route.json")
 CONVERT = results("gguf_convert.json")
@@ -288,6 +290,30 @@ DOCS_SPECS: list[Spec] = [
         times(BATCHED("summary", "ratio_median")),
         times(BATCHED("summary", "ratio_range", 0)),
         times(BATCHED("summary", "ratio_range", 1)),
+    ),
+    spec(
+        MEM,
+        "**The KV cache takes pages only where it is written.**",
+        given("2 MiB", "a head's row at 8,192 positions: 8192 x 64 x 4 bytes"),
+        given("128 MiB", "WHOLE_CACHE_LIMIT in runtimes/onnx_slots.py"),
+        load(UNTOUCHED("load_average_start", 0)),
+        mb(UNTOUCHED("summary_mb", "8192", "onnx-native", "peak_rss")),
+        mb(UNTOUCHED("summary_mb", "8192", "llama-cpp-python", "peak_rss")),
+        times(UNTOUCHED("summary_mb", "8192", "native_peak_over_llama_cpp_python")),
+        given("1.05x", "a target"),
+        mb(UNTOUCHED("summary_mb", "2048", "onnx-native", "peak_rss")),
+        mb(UNTOUCHED("summary_mb", "2048", "llama-cpp-python", "peak_rss")),
+        times(UNTOUCHED("summary_mb", "2048", "native_peak_over_llama_cpp_python")),
+        mb(UNTOUCHED("summary_mb", "2048", "onnx-native", "load_peak_rss")),
+    ),
+    spec(
+        MEM,
+        "| case | peak RSS | first burst after load | later bursts' decode |",
+        *[
+            times(KV_PAGES("summary", case, "ratio_to_numpy", "untouched", key))
+            for case in ("one stream at 8192", "8 streams at 2048")
+            for key in ("peak_rss_mb", "first_burst_tok_s", "later_tok_s")
+        ],
     ),
     spec(
         "docs/many-requests.md",
