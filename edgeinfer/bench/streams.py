@@ -27,6 +27,13 @@ __all__ = ["parallel_figures", "percentile", "run_edgeinfer_parallel", "run_gena
 
 Spec = dict[str, Any]
 JOIN_WAIT_S = 600.0  # the longest the joining part waits for the running streams
+MIN_SPAN_S = 1e-9  # a span shorter than the clock's step is no measurement: its rate is 0
+
+
+def _rate(count: float, span: float) -> float:
+    """``count`` per second over ``span``; 0 over a span no clock can measure (two stamps a
+    rounding apart would otherwise give a rate beyond any machine's)."""
+    return count / span if span >= MIN_SPAN_S else 0.0
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -46,7 +53,7 @@ def _stream_figures(t0: float, stamps: list[float]) -> dict[str, float]:
     return {
         "tokens": n,
         "ttft_s": stamps[0] - t0 if n else 0.0,
-        "decode_tok_s": (n - 1) / span if n > 1 and span > 0 else 0.0,
+        "decode_tok_s": _rate(n - 1, span) if n > 1 else 0.0,
     }
 
 
@@ -80,11 +87,11 @@ def parallel_figures(
     if not live:
         return out
     first_token_done = max(s[0] for s in live) - min(starts)
-    if first_token_done > 0:
-        out["prefill_tok_s"] = n_prompt * len(live) / first_token_done
+    if first_token_done >= MIN_SPAN_S:
+        out["prefill_tok_s"] = _rate(n_prompt * len(live), first_token_done)
     span = max(s[-1] for s in live) - min(s[0] for s in live)
     decoded = sum(len(s) - 1 for s in live)
-    out["decode_tok_s"] = decoded / span if span > 0 else 0.0
+    out["decode_tok_s"] = _rate(decoded, span)
     out["steady_decode_tok_s"] = _steady(live)
     return out
 
@@ -97,7 +104,7 @@ def _steady(live: Sequence[list[float]]) -> float:
     if end <= begin:
         return 0.0
     steps = sum(max(0, sum(1 for t in s if begin <= t <= end) - 1) for s in live)
-    return steps / (end - begin)
+    return _rate(steps, end - begin)
 
 
 # -- edgeinfer ------------------------------------------------------------------------------
