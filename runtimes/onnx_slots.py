@@ -36,20 +36,19 @@ from .base import check_fits, check_slot
 
 __all__ = ["WHOLE_CACHE_LIMIT", "SlotCache", "Step", "plan_step", "untouched_zeros"]
 
-# The largest cache held in numpy's arrays (resident whole at the first token where the kernel
-# backs them with transparent huge pages): one stream's float32 cache of the default model up
-# to about 2,800 positions. Measured on the default model (results/kv_pages.json), untouched
-# pages held one 8,192-token stream in 0.55x the peak and 8 streams at 2,048 in 0.39x, at
-# 0.96x and 0.94x the later bursts' decode rate.
+# The largest cache held in numpy's arrays, as before untouched pages (resident whole from the
+# first token where the kernel backs them with huge pages, which costs little at this size):
+# one stream's float32 cache of the default model up to about 2,800 positions. Above it,
+# untouched pages held one 8,192-token stream in 0.55x the peak and 8 streams at 2,048 in
+# 0.39x (results/kv_pages.json); their decode rate moved either way between runs.
 WHOLE_CACHE_LIMIT = 128 * 1024 * 1024
 
 
 class SlotCache:
     """One zeroed buffer per cache tensor (past and present bound to the same memory), one
     row per slot. A cache larger than ``WHOLE_CACHE_LIMIT`` takes pages only as its entries
-    are written (``untouched_zeros``); a smaller one is numpy's, in huge pages where the
-    kernel gives them: resident whole from the first token, and decoding a few percent
-    faster (benchmarks/kv_pages.py)."""
+    are written (``untouched_zeros``); a smaller one is numpy's, resident whole from its first
+    token where the kernel gives it huge pages (benchmarks/kv_pages.py)."""
 
     def __init__(
         self, past_names: list[str], n_slots: int, row: tuple[int, int, int], dtype: Any
@@ -91,7 +90,10 @@ def untouched_zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     large arrays, and with them a cache tensor's first token makes 2 MiB resident per head
     (a head's row at 8,192 positions is 2 MiB): the whole cache, at once."""
     count = int(np.prod(shape))
-    buffer = mmap.mmap(-1, max(count * np.dtype(dtype).itemsize, 1))
+    # private where the platform says so: a forked child writes its own copy, never this
+    # process's cache (Windows' anonymous mappings are the process's own already)
+    private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
+    buffer = mmap.mmap(-1, max(count * np.dtype(dtype).itemsize, 1), **private)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         buffer.madvise(mmap.MADV_NOHUGEPAGE)  # also where the kernel uses them unasked
     return np.frombuffer(buffer, dtype=dtype, count=count).reshape(shape)

@@ -4,11 +4,12 @@ numpy advises transparent huge pages for large arrays, and a cache tensor's row 
 2 MiB at 8,192 positions (float32, head size 64): with huge pages the first token written
 made the whole cache resident at once (525 MB at one 8,192-token stream of the default model
 where 290 MB is used). The cache is an anonymous mapping kept out of huge pages instead, and
-these tests read the kernel's own count of its resident pages (``/proc/self/smaps``).
+these tests ask the kernel which of its pages are resident (``mincore``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from pathlib import Path
@@ -27,25 +28,23 @@ from edgeinfer.runtimes.onnx_slots import SlotCache, untouched_zeros
 from edgeinfer.runtimes.onnxruntime import open_backend
 
 pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="reads /proc/self/smaps"
+    not sys.platform.startswith("linux"), reason="asks Linux mincore and forks"
 )
 PAGE_LIMIT = 64 * 1024  # the largest base page (arm64 with 64 KiB pages)
 _CTX = 256  # the tiny model's trained context
 
 
 def resident_bytes(array: np.ndarray) -> int:
-    """Resident bytes of the mappings ``array``'s memory lies in, as the kernel counts them."""
-    start, end = array.ctypes.data, array.ctypes.data + array.nbytes
-    total, inside = 0, False
-    with open("/proc/self/smaps", encoding="ascii", errors="replace") as fh:
-        for line in fh:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                low, high = (int(x, 16) for x in head.split("-"))
-                inside = low < end and start < high
-            elif inside and head == "Rss:":
-                total += int(line.split()[1]) * 1024
-    return total
+    """Resident bytes of the pages ``array``'s memory spans, as the kernel reports them
+    (``mincore``: page by page, whatever mapping the pages lie in)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = array.ctypes.data - array.ctypes.data % page
+    length = array.ctypes.data + array.nbytes - start
+    pages = (ctypes.c_ubyte * ((length + page - 1) // page))()
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), pages) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(p & 1 for p in pages) * page
 
 
 def test_untouched_zeros_are_zero_writable_and_page_aligned():
@@ -55,6 +54,16 @@ def test_untouched_zeros_are_zero_writable_and_page_aligned():
     assert array.ctypes.data % 4096 == 0
     array[1, 2, 4, 6] = 3.0
     assert array.sum() == 3.0
+
+
+def test_a_forked_child_writes_its_own_copy():
+    array = untouched_zeros((4, 1024), np.float32)
+    pid = os.fork()
+    if pid == 0:  # the child: write, then leave at once
+        array[:] = 1.0
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert not array.any()
 
 
 def test_one_written_entry_makes_one_page_resident_not_the_array():
