@@ -87,8 +87,8 @@ def parallel_figures(
     if not live:
         return out
     first_token_done = max(s[0] for s in live) - min(starts)
-    if first_token_done >= MIN_SPAN_S:
-        out["prefill_tok_s"] = _rate(n_prompt * len(live), first_token_done)
+    if first_token_done >= MIN_SPAN_S:  # else no rate: the key is left out
+        out["prefill_tok_s"] = n_prompt * len(live) / first_token_done
     span = max(s[-1] for s in live) - min(s[0] for s in live)
     decoded = sum(len(s) - 1 for s in live)
     out["decode_tok_s"] = _rate(decoded, span)

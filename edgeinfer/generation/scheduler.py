@@ -71,9 +71,8 @@ class Engine:
     ) -> None:
         slotted: SlotBackend = backend if hasattr(backend, "n_slots") else OneSlot(backend)  # type: ignore[assignment,arg-type]
         self._backend = slotted
-        self._disk = (
-            disk  # a prompt cache (edgeinfer.generation.state.attached): prefixes from disk
-        )
+        # a prompt cache (edgeinfer.generation.state.attached): prefixes from disk
+        self._disk = disk
         self._slots = [Slot(SlotView(slotted, s)) for s in range(slotted.n_slots)]
         if history is not None:  # slot 0's KV history is its owner's (save_state, score)
             self._slots[0].history = history
