@@ -345,7 +345,7 @@ class Engine:
             assert spec is not None
             checked = kept if ended else len(drafts)  # after a mismatch the rest are rejected
             seq.drafted += checked - kept
-            spec.budget.record(checked, kept)
+            spec.record(checked, kept)
             drop_unkept(slot.view, history)  # type: ignore[arg-type]
 
     def _prefill(self, slot: Slot, budget: int | None) -> int | None:

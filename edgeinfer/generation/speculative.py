@@ -218,8 +218,10 @@ class PromptLookup:
         self._ends: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # positions whose n-grams ending there are in the index
 
-    def propose(self, context: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` tokens to follow ``context`` (the whole sequence so far)."""
+    def propose(self, context: Sequence[int], k: int, after: Sequence[int] = ()) -> list[int]:
+        """Up to ``k`` tokens to follow ``context`` (the whole sequence so far) and then
+        ``after`` (tokens about to be read with the draft, not yet part of the sequence:
+        they join the suffix matched, not the index)."""
         n = len(context)
         # index the n-grams that end before the current end: the suffix itself must not
         # match its own position (it has no continuation yet)
@@ -228,12 +230,13 @@ class PromptLookup:
                 if end >= size:
                     self._ends[tuple(context[end - size : end])] = end
         self._indexed = max(self._indexed, n)
+        text = [*context, *after] if after else context
         for size in _NGRAMS:
-            if n < size:
+            if len(text) < size:
                 continue
-            end = self._ends.get(tuple(context[n - size :]))
+            end = self._ends.get(tuple(text[len(text) - size :]))
             if end is not None and end < n:
-                return list(context[end : end + min(k, self.max_draft)])
+                return list(text[end : end + min(k, self.max_draft)])
         return []
 
 
@@ -375,6 +378,7 @@ class Speculation:
         self.drafter = drafter
         self.budget = DraftBudget(config, costs, drafter.costs if drafter is not None else None)
         self._lookup = PromptLookup(config.max_draft)
+        self._forced = 0  # of the last proposal's drafts, the grammar's forced ones
 
     def propose(
         self,
@@ -387,24 +391,38 @@ class Speculation:
         """Tokens to check after ``context``'s last one, at most ``room``; [] for a plain step.
         Under a grammar (``constraint``) the tokens it forces come first: the sampler picks
         them unless the model prefers another spelling of the same bytes, so they are drafted
-        whatever the budget says (grammar fast-forward). ``cached``: the tokens in the
-        model's cache before that last one (``context`` less it, unless the context slid):
-        what a draft model keeps its own cache in step with. ``left``: tokens the reply may
-        still take (a draft model that must first read the prompt drafts only where that
-        read pays back over them)."""
-        if constraint is not None:
-            forced = constraint.forced(min(room, MAX_DRAFT))
-            if forced:
-                return forced
-        k = min(self.budget.k(), room)
+        whatever the budget says (grammar fast-forward), and prompt lookup goes on after them
+        in the same pass (a key the schema spells, then the value copied from the prompt).
+        A draft is cut at the first token the grammar refuses: the sampler could not pick it.
+        ``cached``: the tokens in the model's cache before that last one (``context`` less
+        it, unless the context slid): what a draft model keeps its own cache in step with.
+        ``left``: tokens the reply may still take (a draft model that must first read the
+        prompt drafts only where that read pays back over them)."""
+        forced = constraint.forced(min(room, MAX_DRAFT)) if constraint is not None else []
+        self._forced = len(forced)
+        k = min(self.budget.k(), room - len(forced), MAX_DRAFT - len(forced))
         if k <= 0:
-            return []
-        if self.drafter is not None:
+            return forced
+        if self.drafter is None:
+            guessed = self._lookup.propose(context, k, after=forced)
+        elif forced:
+            return forced  # a draft model has not read the forced tokens: they go alone
+        else:
             window = context[:-1] if cached is None else cached
             if not self.budget.pays_back(self.drafter.behind(window), k, left):
                 return []
-            return self.drafter.propose(window, context[-1], k)
-        return self._lookup.propose(context, k)
+            guessed = self.drafter.propose(window, context[-1], k)
+        drafts = forced + guessed
+        if constraint is not None and guessed:
+            drafts = drafts[: max(len(forced), constraint.valid_prefix(drafts))]
+        return drafts
+
+    def record(self, checked: int, kept: int) -> None:
+        """What the last pass did with its drafts: ``checked`` of them read, ``kept`` picked.
+        The budget learns from the guessed ones only: forced tokens are kept by the grammar,
+        not by the drafter's skill."""
+        forced = min(self._forced, checked)
+        self.budget.record(checked - forced, max(0, kept - forced))
 
 
 def for_request(

@@ -282,6 +282,20 @@ class Constraint:
             return []
         return [int(t) for t in tokens[:limit] if 0 <= int(t) < self._n]
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, from the start, the grammar takes from its state now
+        (it does not move): a draft is cut there, a token it refuses never being picked."""
+        if not tokens or self.complete:
+            return 0
+        ids = [t for t in tokens if 0 <= t < self._n]
+        if len(ids) != len(tokens):
+            return 0
+        try:
+            count = _engine_errors(lambda: self._matcher.validate_tokens(ids))
+        except InvalidRequestError:  # the engine failed here: draft nothing, decode plainly
+            return 0
+        return count if isinstance(count, int) and 0 <= count <= len(ids) else 0
+
     def _raise_if_error(self) -> None:
         if not self._matcher.is_error():
             return
