@@ -186,8 +186,17 @@ def worker(route: str, threads: int, max_new_tokens: int, name: str, settings: t
                 mine[0]["prompt_text"] = model.apply_chat_template(request["messages"])
                 _margins(model, request, extra, max_new_tokens, mine)
                 runs += mine
-        info = {"route": model.info.get("route"), "backend": model.info.get("backend")}
+        info = {"route": model.info.get("route"), "backend": model.info.get("backend"),
+                "pass_costs": _pass_costs(model)}  # fmt: skip
     return {"route": route, "info": info, "runs": runs}
+
+
+def _pass_costs(model: Any) -> dict[str, Any]:
+    """The model's measured passes over 1 + k tokens, in one-token steps (what drafting k
+    tokens must beat: k kept drafts pay only where the pass costs less than k + 1 steps)."""
+    costs = model._costs
+    ratios = {str(k): round(costs.ratio(k), 3) for k in sorted(costs.pass_s)}
+    return {"step_ms": round(costs.step_s * 1000, 3), "pass_over_step": ratios}
 
 
 def _margins(model: Any, request: dict[str, Any], extra: dict[str, Any], n: int,

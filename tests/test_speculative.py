@@ -381,3 +381,34 @@ def test_grammar_fast_forward_drafts_the_forced_tokens(real_model: Path) -> None
         # off: no fast-forward either
         off = model.generate("Note: Ada lives in Paris.", speculative="off", **kw)
         assert off.stats.draft_tokens == 0
+
+
+def test_the_budget_weighs_each_match_length_by_its_own_record() -> None:
+    """Drafts after a one-token match that are never kept stop those drafts, not the drafts
+    after a three-token match, which are kept."""
+    costs = PassCosts()
+    costs.record_step(0.010)
+    for k in range(1, 9):
+        costs.record_pass(k, 0.010 * (1 + 0.1 * k))
+    budget = DraftBudget(SpeculativeConfig("lookup", 8, adaptive=True), costs)
+    for _ in range(20):
+        budget.record(4, 0, kind=1)
+        budget.record(4, 4, kind=3)
+    assert budget.k(1) == 0
+    assert budget.k(3) >= 4
+    assert budget.kept_share == 0.6  # drafts of no kind: untouched
+
+
+def test_auto_drafts_after_a_long_match_and_not_after_a_short_one() -> None:
+    """The lookup's matched suffix length picks whose record decides the draft."""
+    from edgeinfer.generation.speculative import Speculation
+
+    costs = PassCosts()
+    costs.record_step(0.010)
+    for k in range(1, 17):
+        costs.record_pass(k, 0.010 * (1 + 0.1 * k))
+    spec = Speculation(SpeculativeConfig("lookup", 8, adaptive=True), costs)
+    for _ in range(20):
+        spec.budget.record(4, 0, kind=1)
+    assert spec.propose([5, 6, 7, 8, 9, 1, 7], room=64) == []  # matches 7 alone
+    assert spec.propose([5, 6, 7, 8, 9, 1, 5, 6, 7], room=64)[:2] == [8, 9]  # matches 5 6 7

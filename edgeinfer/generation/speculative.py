@@ -217,6 +217,7 @@ class PromptLookup:
         self.max_draft = max_draft
         self._ends: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # positions whose n-grams ending there are in the index
+        self.matched = 0  # the length of the suffix the last proposal matched (0: none)
 
     def propose(self, context: Sequence[int], k: int, after: Sequence[int] = ()) -> list[int]:
         """Up to ``k`` tokens to follow ``context`` (the whole sequence so far) and then
@@ -236,7 +237,9 @@ class PromptLookup:
                 continue
             end = self._ends.get(tuple(text[len(text) - size :]))
             if end is not None and end < n:
+                self.matched = size
                 return list(text[end : end + min(k, self.max_draft)])
+        self.matched = 0
         return []
 
 
@@ -318,20 +321,26 @@ class DraftBudget:
         self.config = config
         self.costs = costs
         self.drafting = drafting
-        self.kept_share = 0.6
+        self.kept_share = 0.6  # of a draft model's drafts, or of drafts of no kind
+        self._shares: dict[int, float] = {}  # per kind: the suffix length a lookup matched
         self.drafted = 0
         self.accepted = 0
         self._idle = 0  # steps since drafting last looked worth it
 
-    def k(self) -> int:
-        """Tokens to draft before the next pass; 0 for a plain step."""
+    def share(self, kind: int | None = None) -> float:
+        """The share of drafts kept so far, of drafts of ``kind`` (a lookup's matched suffix
+        length: a 3-token match is kept far more often than a 1-token one)."""
+        return self.kept_share if kind is None else self._shares.get(kind, 0.6)
+
+    def k(self, kind: int | None = None) -> int:
+        """Tokens to draft before the next pass (drafts of ``kind``); 0 for a plain step."""
         top = self.config.max_draft
         if not self.config.adaptive:
             return top
         if self.drafting is not None and self.costs.step_s == 0:
             return 0  # a plain step first: the draft's cost is weighed against a measured one
         best, best_gain = 0, 1.0
-        a = self.kept_share
+        a = self.share(kind)
         for k in range(1, top + 1):
             # tokens a pass yields: the pending token's row, then each kept draft's
             expected = sum(a**i for i in range(k + 1))
@@ -360,11 +369,16 @@ class DraftBudget:
         """Drafting k tokens, in one-token steps of the model (0 for prompt lookup)."""
         return 0.0 if self.drafting is None else self.drafting.ratio(k, self.costs.step_s)
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, kind: int | None = None) -> None:
         self.drafted += drafted
         self.accepted += accepted
-        if drafted:
-            self.kept_share = 0.7 * self.kept_share + 0.3 * (accepted / drafted)
+        if not drafted:
+            return
+        share = 0.7 * self.share(kind) + 0.3 * (accepted / drafted)
+        if kind is None:
+            self.kept_share = share
+        else:
+            self._shares[kind] = share
 
 
 class Speculation:
@@ -379,6 +393,7 @@ class Speculation:
         self.budget = DraftBudget(config, costs, drafter.costs if drafter is not None else None)
         self._lookup = PromptLookup(config.max_draft)
         self._forced = 0  # of the last proposal's drafts, the grammar's forced ones
+        self._kind: int | None = None  # the last lookup's matched suffix length
 
     def propose(
         self,
@@ -399,15 +414,18 @@ class Speculation:
         ``left``: tokens the reply may still take (a draft model that must first read the
         prompt drafts only where that read pays back over them)."""
         forced = constraint.forced(min(room, MAX_DRAFT)) if constraint is not None else []
-        self._forced = len(forced)
-        k = min(self.budget.k(), room - len(forced), MAX_DRAFT - len(forced))
-        if k <= 0:
+        self._forced, self._kind = len(forced), None
+        space = min(room, MAX_DRAFT) - len(forced)
+        if space <= 0:
             return forced
         if self.drafter is None:
-            guessed = self._lookup.propose(context, k, after=forced)
-        elif forced:
-            return forced  # a draft model has not read the forced tokens: they go alone
+            guessed = self._lookup.propose(context, space, after=forced)
+            self._kind = self._lookup.matched
+            guessed = guessed[: self.budget.k(self._kind)] if guessed else []
         else:
+            k = min(self.budget.k(), space)
+            if k <= 0 or forced:
+                return forced  # a draft model has not read the forced tokens: they go alone
             window = context[:-1] if cached is None else cached
             if not self.budget.pays_back(self.drafter.behind(window), k, left):
                 return []
@@ -422,7 +440,7 @@ class Speculation:
         The budget learns from the guessed ones only: forced tokens are kept by the grammar,
         not by the drafter's skill."""
         forced = min(self._forced, checked)
-        self.budget.record(checked - forced, max(0, kept - forced))
+        self.budget.record(checked - forced, max(0, kept - forced), self._kind)
 
 
 def for_request(
