@@ -11,7 +11,8 @@ index and built once (Release, CPU, the build's default native flags) under
   counterpart of prompt lookup).
 
 edgeinfer's side is ``benchmarks/speculative.py``'s worker on the llama.cpp route
-(``engine="llama.cpp"``, the same files): plain decoding and the settings asked for. Both
+(``engine="llama.cpp"``, the same files; ``--route onnx``: the default route, onnxruntime on
+the exact transcode of the same file): plain decoding and the settings asked for. Both
 run the same prompts (edgeinfer's chat template rendering, which the peer reads with
 special tokens parsed), greedy, the same new-token limit, threads and context; the
 extraction task gives the peer the same JSON schema (``-j``). Rounds alternate: one
@@ -122,7 +123,7 @@ def one_round(binary: Path, args: argparse.Namespace, n: int) -> dict[str, Any]:
     settings = ("off", *args.settings.split(","))
     if args.draft:
         settings += (f"draft:{args.draft}",)
-    argv = [sys.executable, speculative.__file__, "--worker", "gguf",
+    argv = [sys.executable, speculative.__file__, "--worker", args.route,
             "--threads", str(args.threads), "--max-new-tokens", str(args.max_new_tokens),
             "--model", args.model, "--settings", ",".join(settings),
             "--per-task", str(args.per_task)]  # fmt: skip
@@ -184,6 +185,9 @@ def main() -> None:
     p.add_argument("--pairs", default="",
                    help="SETTING=METHOD,... (default: auto and lookup with ngram-simple, the "
                    "draft with draft-simple)")  # fmt: skip
+    p.add_argument("--route", choices=sorted(speculative.ROUTES), default="gguf",
+                   help="edgeinfer's route: gguf (llama.cpp, the file itself) or onnx (the "
+                   "default route: its exact transcode of the same file)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--per-task", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
@@ -209,6 +213,7 @@ def main() -> None:
         print(f"round {n + 1}/{args.rounds} done", file=sys.stderr)
     source = f"llama-cpp-python=={metadata.version('llama_cpp_python')} sdist, vendor/llama.cpp"
     result = {"conditions": conditions.finish(run), "model": args.model, "draft": args.draft,
+              "route": speculative.ROUTES[args.route],
               "peer": {"binary": BINARY, "source": source, "methods": PEER_METHODS},
               "pairs": pairs, "summary": summarize(rounds, pairs), "rounds": rounds}  # fmt: skip
     conditions.write(args.out, result)

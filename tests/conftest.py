@@ -241,6 +241,27 @@ def tiny_llama_onnx(tiny_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture(scope="session")
+def native_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, int], Path]:
+    """``native_folder(gguf, max_context)``: the native builder's ONNX folder of a GGUF
+    (edgeinfer's own transcode, as ``edgeinfer convert`` writes it), made once per session
+    for each file and context."""
+    from edgeinfer.converters.onnx.folder import write_gguf_folder
+
+    made: dict[tuple[Path, int], Path] = {}
+
+    def make(gguf: Path, max_context: int) -> Path:
+        key = (gguf, max_context)
+        if key not in made:
+            out = tmp_path_factory.mktemp("native") / gguf.stem
+            out.mkdir()
+            write_gguf_folder(gguf, out, max_context=max_context)
+            made[key] = out
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight Gemma 3 checkpoint (sliding-window and global layers) with a
     SentencePiece vocabulary: byte pieces, Gemma's turn and image markers."""

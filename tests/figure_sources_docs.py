@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from tests.figure_values import (
     Expr,
     each,
@@ -56,6 +58,7 @@ ONE_LOOP = results("one_loop.json")
 SPECULATIVE = results("speculative.json")
 SPEC_TASKS = ("summarize", "extract", "rewrite", "edit", "chat")
 PEER = results("llama_cpp_speculative.json")
+PEER_ONNX = results("llama_cpp_speculative_onnx.json")
 LONE = results("lone_steps.json")
 PAR_SPEC = results("parallel_speculative.json")
 PEER_SERVE = results("serve_parallel_peer.json")
@@ -178,9 +181,9 @@ def _spec_ratio(route: str, task: str, setting: str) -> Src:
 A_TARGET = "a target of the speculative-decoding issue"
 
 
-def _peer_row(task: str) -> list[Src]:
+def _peer_row(task: str, peer: Any = PEER) -> list[Src]:
     """edgeinfer plain and auto, the peer's ngram-simple, and auto over it, of one task."""
-    row = under(PEER, "summary", task)
+    row = under(peer, "summary", task)
     return [
         tps(row("edgeinfer off")),
         tps(row("edgeinfer auto")),
@@ -192,13 +195,20 @@ def _peer_row(task: str) -> list[Src]:
 DOCS_SPECS: list[Spec] = [
     spec(
         "docs/speculative.md",
-        "| task | edgeinfer plain | edgeinfer `auto` |",
+        "| task (ONNX route) | edgeinfer plain | edgeinfer `auto` |",
+        *[f for task in SPEC_TASKS for f in _peer_row(task, PEER_ONNX)],
+    ),
+    spec(
+        "docs/speculative.md",
+        "| task (llama.cpp route) | edgeinfer plain | edgeinfer `auto` |",
         *[f for task in SPEC_TASKS for f in _peer_row(task)],
     ),
     spec(
         "docs/speculative.md",
         "on the same task and file: met on",
         given("1.2x", A_TARGET),
+        tps(PEER_ONNX("summary", "summarize", "llama.cpp ngram-simple")),
+        tps(PEER("summary", "summarize", "llama.cpp ngram-simple")),
     ),
     spec(
         "docs/speculative.md",
@@ -218,14 +228,35 @@ DOCS_SPECS: list[Spec] = [
     ),
     spec(
         "docs/speculative.md",
-        "`auto` never costs more than the run-to-run noise",
+        "Against this round's targets: `auto` on open chat keeps",
         _spec_ratio("gguf", "chat", "auto"),
         _spec_ratio("onnx", "chat", "auto"),
         given("0.97x", A_TARGET),
-        _spec_ratio("onnx", "rewrite", "lookup"),
-        given("2x", A_TARGET),
         _spec_ratio("onnx", "extract", "auto"),
         given("1.5x", A_TARGET),
+        _spec_ratio("gguf", "extract", "auto"),
+        times(
+            hi(
+                each(
+                    *[
+                        SPECULATIVE("summary", route, f"{task}/{setting}", "decode_ratio_median")
+                        for route in ("gguf", "onnx")
+                        for task in ("summarize", "rewrite", "edit")
+                        for setting in ("lookup", "auto")
+                    ]
+                )
+            )
+        ),
+        given("2x", A_TARGET),
+    ),
+    spec(
+        "docs/speculative.md",
+        "- **What a pass costs.** The same file records each engine's measured passes",
+        *[
+            times(SPECULATIVE("rounds", i, "info", "pass_costs", "pass_over_step", k))
+            for i in (0, 1)  # the first round: onnx, then gguf
+            for k in ("1", "4", "8")
+        ],
     ),
     spec(
         "docs/speculative.md",

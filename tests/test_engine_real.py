@@ -60,13 +60,8 @@ def tiny_q4_1(tiny_llama_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 @pytest.fixture(scope="module")
-def tiny_onnx(tiny_q4_1: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from edgeinfer.converters.onnx.folder import write_gguf_folder
-
-    out = tmp_path_factory.mktemp("engine-onnx") / "q4_1"
-    out.mkdir()
-    write_gguf_folder(tiny_q4_1, out, max_context=CTX)
-    return out
+def tiny_onnx(tiny_q4_1: Path, native_folder: Callable[[Path, int], Path]) -> Path:
+    return native_folder(tiny_q4_1, CTX)
 
 
 @dataclass

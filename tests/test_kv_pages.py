@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -74,13 +75,8 @@ def test_one_written_entry_makes_one_page_resident_not_the_array():
 
 
 @pytest.fixture(scope="module")
-def folder(tiny_llama_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from edgeinfer.converters.onnx.folder import write_gguf_folder
-
-    out = tmp_path_factory.mktemp("kv-pages") / "llama"
-    out.mkdir()
-    write_gguf_folder(tiny_llama_gguf, out, max_context=_CTX)
-    return out
+def folder(tiny_llama_gguf: Path, native_folder: Callable[[Path, int], Path]) -> Path:
+    return native_folder(tiny_llama_gguf, _CTX)
 
 
 def test_a_backend_at_a_long_context_holds_what_it_wrote(

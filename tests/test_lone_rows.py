@@ -13,6 +13,7 @@ checked here by switching it on (``_rows``), on the tiny graph whose rows agree 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -62,13 +63,8 @@ def _backend(folder: Path, parallel: int) -> OrtBackend:
 
 
 @pytest.fixture(scope="module")
-def folder(tiny_llama_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from edgeinfer.converters.onnx.folder import write_gguf_folder
-
-    out = tmp_path_factory.mktemp("lone-rows") / "llama"
-    out.mkdir()
-    write_gguf_folder(tiny_llama_gguf, out, max_context=_CTX)
-    return out
+def folder(tiny_llama_gguf: Path, native_folder: Callable[[Path, int], Path]) -> Path:
+    return native_folder(tiny_llama_gguf, _CTX)
 
 
 def _lone_and_paired(backend: OrtBackend, prompt: list[int], tokens: list[int]) -> list[bool]:
