@@ -412,3 +412,15 @@ def test_auto_drafts_after_a_long_match_and_not_after_a_short_one() -> None:
         spec.budget.record(4, 0, kind=1)
     assert spec.propose([5, 6, 7, 8, 9, 1, 7], room=64) == []  # matches 7 alone
     assert spec.propose([5, 6, 7, 8, 9, 1, 5, 6, 7], room=64)[:2] == [8, 9]  # matches 5 6 7
+
+
+def test_the_kept_share_counts_only_the_drafts_a_pass_tested() -> None:
+    """Eight drafts of which the first three are kept put four to the test (the fourth was
+    refused, the last four never checked): the share learned is 3/4, not 3/8."""
+    budget = DraftBudget(SpeculativeConfig("lookup", 8, adaptive=True), PassCosts())
+    for _ in range(40):
+        budget.record(8, 3, kind=3)
+    assert budget.share(3) == pytest.approx(0.75, abs=1e-3)
+    for _ in range(40):
+        budget.record(8, 8, kind=2)  # every draft kept
+    assert budget.share(2) == pytest.approx(1.0, abs=1e-3)

@@ -370,11 +370,15 @@ class DraftBudget:
         return 0.0 if self.drafting is None else self.drafting.ratio(k, self.costs.step_s)
 
     def record(self, drafted: int, accepted: int, kind: int | None = None) -> None:
+        """A pass kept the first ``accepted`` of its ``drafted`` tokens. The drafts after the
+        first one refused were never put to the test (the pass stops there), so the share
+        kept is learned from the tested ones: the kept, and the refused one if any."""
         self.drafted += drafted
         self.accepted += accepted
         if not drafted:
             return
-        share = 0.7 * self.share(kind) + 0.3 * (accepted / drafted)
+        tested = accepted + (1 if accepted < drafted else 0)
+        share = 0.7 * self.share(kind) + 0.3 * (accepted / tested)
         if kind is None:
             self.kept_share = share
         else:
