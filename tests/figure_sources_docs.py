@@ -64,6 +64,8 @@ PAR_SPEC = results("parallel_speculative.json")
 PEER_SERVE = results("serve_parallel_peer.json")
 BATCHED = results("llama_batched.json")
 PEER15 = results("llama_cpp_speculative_1.5b.json")
+STEP = results("step_overhead.json")
+_STEP_ONNX, _STEP_LLAMA = under(STEP, "routes", 0), under(STEP, "routes", 1)
 _DRAFT = "edgeinfer draft:qwen2.5-coder-0.5b-instruct"
 
 
@@ -207,8 +209,8 @@ DOCS_SPECS: list[Spec] = [
         "docs/speculative.md",
         "on the same task and file: met on",
         given("1.2x", A_TARGET),
-        tps(PEER_ONNX("summary", "summarize", "llama.cpp ngram-simple")),
-        tps(PEER("summary", "summarize", "llama.cpp ngram-simple")),
+        given("89.0 tok/s", "the previous run of the same command, replaced by its file"),
+        given("0.95x", "the previous run of the same command, replaced by its file"),
     ),
     spec(
         "docs/speculative.md",
@@ -234,6 +236,7 @@ DOCS_SPECS: list[Spec] = [
         given("0.97x", A_TARGET),
         _spec_ratio("onnx", "extract", "auto"),
         given("1.5x", A_TARGET),
+        given("1.68x", "the previous run of the same command, replaced by this file"),
         _spec_ratio("gguf", "extract", "auto"),
         times(
             hi(
@@ -257,6 +260,7 @@ DOCS_SPECS: list[Spec] = [
             for i in (0, 1)  # the first round: onnx, then gguf
             for k in ("1", "4", "8")
         ],
+        given("2.74x", "the previous run of the same command, replaced by this file"),
     ),
     spec(
         "docs/speculative.md",
@@ -323,6 +327,17 @@ DOCS_SPECS: list[Spec] = [
         tps(BATCHED("summary", "edgeinfer", "decode_tok_s_median")),
         tps(BATCHED("summary", "llama-batched-bench", "decode_tok_s_median")),
         times(BATCHED("summary", "ratio_median")),
+        times(BATCHED("summary", "ratio_range", 0)),
+        times(BATCHED("summary", "ratio_range", 1)),
+        ms(_STEP_LLAMA("forward_ms_median")),
+        ms(_STEP_LLAMA("between_ms_median")),
+        frac_pct(_STEP_LLAMA("between_share")),
+        ms(_STEP_LLAMA("forward_ms_median") + _STEP_LLAMA("between_ms_median")),
+        tps(8000 / (_STEP_LLAMA("forward_ms_median") + _STEP_LLAMA("between_ms_median"))),
+        ms(_STEP_ONNX("forward_ms_median")),
+        ms(_STEP_ONNX("between_ms_median")),
+        frac_pct(_STEP_ONNX("between_share")),
+        given("9%", "1 - the ratio 0.91x above, rounded"),
         times(BATCHED("summary", "ratio_range", 0)),
         times(BATCHED("summary", "ratio_range", 1)),
     ),
