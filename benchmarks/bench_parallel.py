@@ -27,6 +27,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import conditions
+
 from edgeinfer.files import catalog
 
 OUT = Path(__file__).parent / "results" / "bench-parallel.json"
@@ -99,6 +102,7 @@ def main() -> int:
     common = ["-p", args.prompt_tokens, "-n", args.new_tokens, "-r", args.repetitions,
               "--threads", "2", "--parallel", args.parallel]  # fmt: skip
     genai = args.genai_folder or default_genai_folder()
+    run = conditions.start(2, int(args.repetitions))
     reports: dict[str, dict[str, Any]] = {}
     for route in args.routes.split(","):
         if route == "onnxruntime":
@@ -111,9 +115,9 @@ def main() -> int:
         else:
             gguf = str(catalog.fetch(catalog.DEFAULT_MODEL))
             reports[route] = bench([gguf, "--engine", "llama.cpp", *common])
-    record = {"targets": targets(reports), "reports": reports}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(record, indent=1) + "\n")
+    record = {"targets": targets(reports), "reports": reports,
+              "conditions": conditions.finish(run)}  # fmt: skip
+    conditions.write(args.output, record)
     print(json.dumps(record["targets"], indent=1))
     print(f"written to {args.output}", file=sys.stderr)
     return 0

@@ -65,6 +65,16 @@ PEER_SERVE = results("serve_parallel_peer.json")
 BATCHED = results("llama_batched.json")
 PEER15 = results("llama_cpp_speculative_1.5b.json")
 STEP = results("step_overhead.json")
+OG = results("bench-parallel-og.json")
+_OG_ROWS = under(OG, "reports", "onnxruntime", "results")
+
+
+def _og_ratio(n: str) -> Expr:
+    return OG(
+        "targets", f"onnxruntime: edgeinfer / og.Engine, aggregate decode, {n} streams", "ratio"
+    )
+
+
 _STEP_ONNX, _STEP_LLAMA = under(STEP, "routes", 0), under(STEP, "routes", 1)
 _DRAFT = "edgeinfer draft:qwen2.5-coder-0.5b-instruct"
 
@@ -340,6 +350,19 @@ DOCS_SPECS: list[Spec] = [
         given("9%", "1 - the ratio 0.91x above, rounded"),
         times(BATCHED("summary", "ratio_range", 0)),
         times(BATCHED("summary", "ratio_range", 1)),
+    ),
+    spec(
+        "docs/many-requests.md",
+        "Beside onnxruntime-genai's `og.Engine` with real prompts",
+        tps(_OG_ROWS(2, "tg_tok_s", "mean")),
+        tps(_OG_ROWS(3, "tg_tok_s", "mean")),
+        times(_og_ratio("8")),
+        given("1.0x", "the target of the many-requests issue against og.Engine"),
+        tps(_OG_ROWS(0, "tg_tok_s", "mean")),
+        tps(_OG_ROWS(1, "tg_tok_s", "mean")),
+        times(_og_ratio("1")),
+        ms(_OG_ROWS(2, "join_ttft_ms", "mean")),
+        ms(_OG_ROWS(3, "join_ttft_ms", "mean")),
     ),
     spec(
         MEM,
