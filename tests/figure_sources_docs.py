@@ -66,6 +66,8 @@ BATCHED = results("llama_batched.json")
 PEER15 = results("llama_cpp_speculative_1.5b.json")
 STEP = results("step_overhead.json")
 OG = results("bench-parallel-og.json")
+OPS = results("onnx_op_profile.json")
+_STEP1 = under(OPS, "passes", 0)
 _OG_ROWS = under(OG, "reports", "onnxruntime", "results")
 
 
@@ -363,6 +365,11 @@ DOCS_SPECS: list[Spec] = [
         times(_og_ratio("1")),
         ms(_OG_ROWS(2, "join_ttft_ms", "mean")),
         ms(_OG_ROWS(3, "join_ttft_ms", "mean")),
+        frac_pct(_STEP1("offset_share")),
+        ms(_STEP1("kind_us_median", "MatMul (Q4_1 offsets)") / 1000),
+        ms(_STEP1("kind_us_median", "Add (Q4_1 offsets)") / 1000),
+        ms(_STEP1("kind_us_median", "MatMulNBits") / 1000),
+        ms(_STEP1("kind_us_median", "GroupQueryAttention") / 1000),
     ),
     spec(
         MEM,
