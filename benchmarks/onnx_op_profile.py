@@ -56,9 +56,8 @@ def _feeds(session: Any, tokens: int, past: int) -> dict[str, np.ndarray]:
     return feeds
 
 
-def _kind(event: dict[str, Any], offset_nodes: set[str]) -> str:
-    name = event["name"].removesuffix("_kernel_time")
-    op = event["args"].get("op_name", "?")
+def _kind(name: str, op: str, offset_nodes: set[str]) -> str:
+    """A node's kind: its operator, the offset term's nodes apart."""
     return f"{op} (Q4_1 offsets)" if name in offset_nodes else op
 
 
@@ -68,14 +67,14 @@ def profile(folder: Path, tokens: int, args: argparse.Namespace) -> dict[str, An
     import onnxruntime as ort
 
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
-    offset_nodes = {n.name for n in graph.node if n.op_type in ("MatMul", "Add")
-                    and any(any(k in x for k in OFFSET_INPUTS) for x in n.input)}  # fmt: skip
-    # the Adds that put the offsets onto the 4-bit product: fed by an offset MatMul
-    made_by = {o: n for n in graph.node for o in n.output}
-    for n in graph.node:
-        if n.op_type == "Add" and any(made_by.get(x) is not None and made_by[x].name
-                                      in offset_nodes for x in n.input):  # fmt: skip
-            offset_nodes.add(n.name)
+    products = {n.name for n in graph.node if n.op_type == "MatMul"
+                and any(k in x for x in n.input for k in OFFSET_INPUTS)}  # fmt: skip
+    # the Adds that put the offsets onto the 4-bit product: fed by an offset MatMul itself
+    # (not by such an Add, or every residual Add after it would count)
+    made_by = {o: n.name for n in graph.node for o in n.output}
+    adds = {n.name for n in graph.node
+            if n.op_type == "Add" and any(made_by.get(x) in products for x in n.input)}  # fmt: skip
+    offset_nodes = products | adds
     options = ort.SessionOptions()
     options.intra_op_num_threads = args.threads
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -99,7 +98,8 @@ def profile(folder: Path, tokens: int, args: argparse.Namespace) -> dict[str, An
         counts: collections.Counter[str] = collections.Counter()
         for e in nodes:
             if start <= e["ts"] <= end:
-                counts[_kind(e, offset_nodes)] += e["dur"]
+                name = e["name"].removesuffix("_kernel_time")
+                counts[_kind(name, e["args"].get("op_name", "?"), offset_nodes)] += e["dur"]
         per_run.append(counts)
     kinds = sorted({k for c in per_run for k in c})
     by_kind = {k: statistics.median(c.get(k, 0) for c in per_run) for k in kinds}
@@ -107,8 +107,8 @@ def profile(folder: Path, tokens: int, args: argparse.Namespace) -> dict[str, An
     return {"tokens": tokens, "pass_us_median": total,
             "kind_us_median": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
             "offset_share": sum(v for k, v in by_kind.items() if "offsets" in k) / total,
-            "nodes": {k: sum(1 for n in graph.node if n.op_type == k.split()[0])
-                      for k in kinds if "offsets" not in k}}  # fmt: skip
+            "nodes_in_file": dict(collections.Counter(_kind(n.name, n.op_type, offset_nodes)
+                                                      for n in graph.node))}  # fmt: skip
 
 
 def main() -> None:
