@@ -26,6 +26,7 @@ from edgeinfer.generation.speculative import (
     DraftBudget,
     PassCosts,
     PromptLookup,
+    Speculation,
     SpeculativeConfig,
     parse_speculative,
 )
@@ -244,11 +245,18 @@ def test_a_lookup_draft_continues_an_earlier_occurrence_of_the_suffix(
         assert found
 
 
-def test_the_budget_stops_drafting_when_drafts_are_not_kept() -> None:
+def _costs(per_draft: float, top: int = 8) -> PassCosts:
+    """Measured costs: a 10 ms step, and a pass over 1 + k tokens at 1 + per_draft * k steps
+    for k up to ``top``."""
     costs = PassCosts()
     costs.record_step(0.010)
-    for k in range(1, 9):
-        costs.record_pass(k, 0.010 * (1 + 0.5 * k))  # a pass costs half a step per draft
+    for k in range(1, top + 1):
+        costs.record_pass(k, 0.010 * (1 + per_draft * k))
+    return costs
+
+
+def test_the_budget_stops_drafting_when_drafts_are_not_kept() -> None:
+    costs = _costs(0.5)  # a pass costs half a step per draft
     budget = DraftBudget(parse_speculative("auto"), costs)
     assert budget.k() > 0
     for _ in range(20):
@@ -386,11 +394,7 @@ def test_grammar_fast_forward_drafts_the_forced_tokens(real_model: Path) -> None
 def test_the_budget_weighs_each_match_length_by_its_own_record() -> None:
     """Drafts after a one-token match that are never kept stop those drafts, not the drafts
     after a three-token match, which are kept."""
-    costs = PassCosts()
-    costs.record_step(0.010)
-    for k in range(1, 9):
-        costs.record_pass(k, 0.010 * (1 + 0.1 * k))
-    budget = DraftBudget(SpeculativeConfig("lookup", 8, adaptive=True), costs)
+    budget = DraftBudget(SpeculativeConfig("lookup", 8, adaptive=True), _costs(0.1))
     for _ in range(20):
         budget.record(4, 0, kind=1)
         budget.record(4, 4, kind=3)
@@ -401,13 +405,7 @@ def test_the_budget_weighs_each_match_length_by_its_own_record() -> None:
 
 def test_auto_drafts_after_a_long_match_and_not_after_a_short_one() -> None:
     """The lookup's matched suffix length picks whose record decides the draft."""
-    from edgeinfer.generation.speculative import Speculation
-
-    costs = PassCosts()
-    costs.record_step(0.010)
-    for k in range(1, 17):
-        costs.record_pass(k, 0.010 * (1 + 0.1 * k))
-    spec = Speculation(SpeculativeConfig("lookup", 8, adaptive=True), costs)
+    spec = Speculation(SpeculativeConfig("lookup", 8, adaptive=True), _costs(0.1, top=16))
     for _ in range(20):
         spec.budget.record(4, 0, kind=1)
     assert spec.propose([5, 6, 7, 8, 9, 1, 7], room=64) == []  # matches 7 alone

@@ -427,9 +427,11 @@ class Speculation:
             self._kind = self._lookup.matched
             guessed = guessed[: self.budget.k(self._kind)] if guessed else []
         else:
-            k = min(self.budget.k(), space)
-            if k <= 0 or forced:
+            if forced:
                 return forced  # a draft model has not read the forced tokens: they go alone
+            k = min(self.budget.k(), space)
+            if k <= 0:
+                return []
             window = context[:-1] if cached is None else cached
             if not self.budget.pays_back(self.drafter.behind(window), k, left):
                 return []

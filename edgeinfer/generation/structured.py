@@ -285,16 +285,13 @@ class Constraint:
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of ``tokens``, from the start, the grammar takes from its state now
         (it does not move): a draft is cut there, a token it refuses never being picked."""
-        if not tokens or self.complete:
-            return 0
-        ids = [t for t in tokens if 0 <= t < self._n]
-        if len(ids) != len(tokens):
+        if not tokens or self.complete or any(not 0 <= t < self._n for t in tokens):
             return 0
         try:
-            count = _engine_errors(lambda: self._matcher.validate_tokens(ids))
+            count = _engine_errors(lambda: self._matcher.validate_tokens(tokens))
         except InvalidRequestError:  # the engine failed here: draft nothing, decode plainly
             return 0
-        return count if isinstance(count, int) and 0 <= count <= len(ids) else 0
+        return count if isinstance(count, int) and 0 <= count <= len(tokens) else 0
 
     def _raise_if_error(self) -> None:
         if not self._matcher.is_error():
