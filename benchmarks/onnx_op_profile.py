@@ -7,7 +7,7 @@ sums by each block's offset) and an ``Add``. This says what that costs beside th
 products, attention and the rest, at 1, 4 and 9 tokens a pass (a decode step and two
 speculative verify passes), on a cache already holding ``--past`` positions.
 
-    python benchmarks/onnx_op_profile.py [--past 256] [--runs 20] [--threads 2]
+    python benchmarks/onnx_op_profile.py [--model NAME] [--past 256] [--runs 20] [--threads 2]
         [-o benchmarks/results/onnx_op_profile.json]
 """
 
@@ -30,14 +30,14 @@ RESULTS = Path(__file__).parent / "results" / "onnx_op_profile.json"
 OFFSET_INPUTS = ("block_sum_", ".offset_t")  # the offset term's constant inputs
 
 
-def native_folder() -> Path:
-    """The default model's exact ONNX transcode, made (once) as load() makes it."""
+def native_folder(model: str) -> Path:
+    """A catalog model's exact ONNX transcode, made (once) as load() makes it."""
     import edgeinfer
 
-    with edgeinfer.load(catalog.DEFAULT_MODEL, engine="onnxruntime", context_length=512) as m:
+    with edgeinfer.load(model, engine="onnxruntime", context_length=512) as m:
         folder = Path(str(m.info["path"]))
     if not (folder / "model.onnx").is_file():
-        raise SystemExit("could not find the default model's ONNX folder")
+        raise SystemExit(f"could not find {model}'s ONNX folder")
     return folder
 
 
@@ -56,9 +56,22 @@ def _feeds(session: Any, tokens: int, past: int) -> dict[str, np.ndarray]:
     return feeds
 
 
-def _kind(name: str, op: str, offset_nodes: set[str]) -> str:
-    """A node's kind: its operator, the offset term's nodes apart."""
-    return f"{op} (Q4_1 offsets)" if name in offset_nodes else op
+def _kind(name: str, op: str, offset_nodes: set[str], forms: dict[str, str]) -> str:
+    """A node's kind: its operator, the offset term's nodes apart, MatMulNBits by its bits
+    and block size (``forms``: node name -> "8-bit/16")."""
+    if name in offset_nodes:
+        return f"{op} (Q4_1 offsets)"
+    return f"{op} {forms[name]}" if name in forms else op
+
+
+def _forms(graph: Any) -> dict[str, str]:
+    """Each MatMulNBits node's bits and block size, as "4-bit/32"."""
+    forms = {}
+    for n in graph.node:
+        if n.op_type == "MatMulNBits":
+            a = {x.name: x.i for x in n.attribute}
+            forms[n.name] = f"{a.get('bits', 4)}-bit/{a.get('block_size')}"
+    return forms
 
 
 def profile(folder: Path, tokens: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -75,6 +88,7 @@ def profile(folder: Path, tokens: int, args: argparse.Namespace) -> dict[str, An
     adds = {n.name for n in graph.node
             if n.op_type == "Add" and any(made_by.get(x) in products for x in n.input)}  # fmt: skip
     offset_nodes = products | adds
+    forms = _forms(graph)
     options = ort.SessionOptions()
     options.intra_op_num_threads = args.threads
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -99,7 +113,7 @@ def profile(folder: Path, tokens: int, args: argparse.Namespace) -> dict[str, An
         for e in nodes:
             if start <= e["ts"] <= end:
                 name = e["name"].removesuffix("_kernel_time")
-                counts[_kind(name, e["args"].get("op_name", "?"), offset_nodes)] += e["dur"]
+                counts[_kind(name, e["args"].get("op_name", "?"), offset_nodes, forms)] += e["dur"]
         per_run.append(counts)
     kinds = sorted({k for c in per_run for k in c})
     by_kind = {k: statistics.median(c.get(k, 0) for c in per_run) for k in kinds}
@@ -107,19 +121,20 @@ def profile(folder: Path, tokens: int, args: argparse.Namespace) -> dict[str, An
     return {"tokens": tokens, "pass_us_median": total,
             "kind_us_median": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
             "offset_share": sum(v for k, v in by_kind.items() if "offsets" in k) / total,
-            "nodes_in_file": dict(collections.Counter(_kind(n.name, n.op_type, offset_nodes)
+            "nodes_in_file": dict(collections.Counter(_kind(n.name, n.op_type, offset_nodes, forms)
                                                       for n in graph.node))}  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=catalog.DEFAULT_MODEL, help="a catalog model")
     parser.add_argument("--past", type=int, default=256)
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", default="1,4,9")
     parser.add_argument("-o", "--output", type=Path, default=RESULTS)
     args = parser.parse_args()
-    folder = native_folder()
+    folder = native_folder(args.model)
     cond = conditions.start(args.threads, args.runs)
     passes = [profile(folder, int(n), args) for n in args.tokens.split(",")]
     for p in passes:
@@ -129,7 +144,7 @@ def main() -> None:
     record = {
         "what": "onnxruntime's profile of the default model's exact transcode: median "
         "microseconds per pass by kind of node, the Q4_1 offset term's nodes apart",
-        "model": catalog.DEFAULT_MODEL,
+        "model": args.model,
         "past": args.past,
         "passes": passes,
         "conditions": conditions.finish(cond),

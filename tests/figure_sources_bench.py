@@ -4,6 +4,7 @@ figure_sources)."""
 from __future__ import annotations
 
 from tests.figure_values import (
+    Field,
     each,
     hi,
     lo,
@@ -37,6 +38,33 @@ HOGS = results("busy_cpu_quiet_hogs.json")
 BUSY = results("busy_cpu.json")
 OMP = results("busy_cpu_omp_wait.json")
 AGREE = results("agreement.json")
+ROUTES = results("route_reads.json")
+READS_MODELS = (
+    "smollm2-135m-instruct",
+    "qwen2.5-coder-0.5b-instruct",
+    "qwen2.5-coder-1.5b-instruct",
+)
+
+
+def _reads_row(model: str) -> list[Src]:
+    """One row of the route-reads table: reads, one sequence and eight on both engines."""
+
+    def one(*keys: str) -> Field:
+        return ROUTES("summary", f"{model} parallel=1", *keys)
+
+    def eight(*keys: str) -> Field:
+        return ROUTES("summary", f"{model} parallel=8", *keys)
+
+    return [
+        times(ROUTES("reads", model, "transcode_reads")),
+        tps(one("onnxruntime", "tg_tok_s")),
+        tps(one("llama.cpp", "tg_tok_s")),
+        times(one("decode_onnx_over_llama")),
+        tps(eight("onnxruntime", "steady_tg_tok_s")),
+        tps(eight("llama.cpp", "steady_tg_tok_s")),
+        times(eight("decode_onnx_over_llama")),
+    ]
+
 
 SMOL = "smollm2-135m-instruct"
 PEERS = ("edgeinfer", "llama-cpp-python", "onnxruntime-genai")
@@ -315,5 +343,25 @@ BENCH_SPECS: list[Spec] = [
         mb(bench_row(NATIVE, "native-keep", "edgeinfer", 128)("peak_rss_mb", "max")),
         frac_pct(AGREE("pairs", "llama.cpp f32 KV vs native ONNX", "top1_agreement")),
         load(AGREE("load_average", "before", 0)),
+    ),
+    spec(
+        PERF,
+        "One sequence of a larger K-quant file is another matter.",
+        given("1.3x", "the route rule's limit (routes.ONE_SEQUENCE_READS), a setting"),
+    ),
+    spec(
+        PERF,
+        "| catalog model | transcode reads ÷ file |",
+        *[f for model in READS_MODELS for f in _reads_row(model)],
+    ),
+    spec(
+        PERF,
+        "(8 sequences: the steady decode of all eight together.)",
+        times(
+            ROUTES("summary", f"{READS_MODELS[2]} parallel=1", "llama.cpp", "tg_tok_s")
+            / ROUTES("summary", f"{READS_MODELS[2]} parallel=1", "onnxruntime", "tg_tok_s")
+        ),
+        mb(ROUTES("summary", f"{READS_MODELS[2]} parallel=1", "llama.cpp", "peak_rss_mb")),
+        mb(ROUTES("summary", f"{READS_MODELS[2]} parallel=1", "onnxruntime", "peak_rss_mb")),
     ),
 ]

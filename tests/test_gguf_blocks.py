@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 
 from edgeinfer.converters.onnx.builder.gguf_blocks import (
+    FORMS,
     OFFSET_BLOCK,
     TRANSCODABLE,
     NBitsWeight,
     transcode,
+    transcode_reads,
 )
 
 gguf = pytest.importorskip("gguf")
@@ -135,3 +137,34 @@ def test_types_without_an_exact_mapping_are_left_to_the_caller() -> None:
         assert transcode(int(qtype), np.zeros((1, 1), np.uint8), 1, 256) is None
     with pytest.raises(ValueError, match="whole blocks"):
         transcode(int(T.Q4_0), np.zeros((1, 18), np.uint8), 1, 48)
+
+
+@pytest.mark.parametrize("qtype", sorted(FP16_FIELDS), ids=lambda t: T(t).name)
+def test_a_form_counts_the_bytes_the_transcode_makes(qtype: int) -> None:
+    """What the route rule weighs (``BlockForm.nbytes``) is what ``transcode`` returns."""
+    n, k = 8, 512
+    weight = transcode(int(qtype), random_tensor(qtype, n, k), n, k)
+    assert weight is not None
+    made = weight.packed.nbytes + weight.scales.nbytes
+    made += 0 if weight.offset is None else weight.offset.nbytes
+    assert FORMS[int(qtype)].nbytes(n * k) == made
+
+
+def _tensor(name: str, qtype: int, n: int, k: int) -> tuple[str, tuple[int, ...], int, int]:
+    elems, size = gguf.GGML_QUANT_SIZES[qtype]
+    return name, (n, k), int(qtype), n * k // elems * size
+
+
+def test_a_step_reads_the_matrices_the_head_included_once() -> None:
+    q4_1 = _tensor("blk.0.ffn_up.weight", T.Q4_1, 64, 256)
+    norm = ("blk.0.attn_norm.weight", (256,), int(T.F32), 1024)
+    # Q4_1: 20 bytes per 32 weights become 16 + a scale and an offset of 4 each
+    assert transcode_reads([q4_1, norm]) == pytest.approx(24 / 20)
+    q6_k = _tensor("output.weight", T.Q6_K, 64, 256)  # 210 bytes per 256 become 256 + 16 * 4
+    embd = _tensor("token_embd.weight", T.Q4_0, 64, 256)  # untied: a step gathers one row
+    assert transcode_reads([embd, q6_k]) == pytest.approx(320 / 210)
+    tied = _tensor("token_embd.weight", T.Q8_0, 64, 256)  # tied: it is the head
+    assert transcode_reads([tied]) == pytest.approx(36 / 34)
+    wide = _tensor("blk.0.ffn_up.weight", T.Q3_K, 64, 256)  # no form: widened to float32
+    assert transcode_reads([wide]) == pytest.approx(4 * 256 / 110)
+    assert transcode_reads([norm]) == 1.0

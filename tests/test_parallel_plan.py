@@ -327,6 +327,28 @@ def test_the_route_of_a_catalog_gguf(
         assert "onnx is not installed" in route.why
 
 
+@pytest.mark.parametrize(
+    "reads, parallel, engine, expected",
+    [
+        (1.16, 1, "auto", "onnx"),  # the default model's Q4_1: decodes level, answers sooner
+        (1.30, 1, "auto", "onnx"),
+        (1.40, 1, "auto", "gguf"),  # Q4_K_M files: Q6_K as 8-bit/16, K-quant offsets
+        (1.40, 8, "auto", "onnx"),  # many sequences still batch better on the transcode
+        (1.40, 1, "onnxruntime", "onnx"),  # the user's word
+    ],
+)
+def test_one_sequence_stays_on_llama_cpp_where_the_transcode_reads_far_more(
+    reads: float, parallel: int, engine: str, expected: str
+) -> None:
+    route = choose_route(
+        "gguf", transcodable=True, parallel=parallel, device="auto", installed=ALL,
+        engine=engine, transcode_reads=reads,
+    )  # fmt: skip
+    assert route.format == expected
+    if expected == "gguf":
+        assert f"{reads:.2f}x the file's bytes" in route.why and "parallel > 1" in route.why
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.integers(1, 256),
@@ -358,6 +380,23 @@ def test_a_gguf_file_named_by_its_path_stays_on_llama_cpp(
     with pytest.raises(InvalidRequestError, match="ONNX model"):
         choose_route("onnx", transcodable=False, parallel=parallel, device=device,
                      installed=installed, engine="llama.cpp")  # fmt: skip
+
+
+def test_the_default_model_reads_little_more_than_its_file(default_gguf: Path) -> None:
+    """Its Q4_1 transcode reads 1.16x the file a step: one sequence runs it."""
+    source = resolve(catalog.DEFAULT_MODEL)
+    assert route_for(catalog.DEFAULT_MODEL, source, "cpu").format == "onnx"
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"])
+def test_a_q4_k_m_catalog_file_decodes_one_sequence_on_llama_cpp(name: str) -> None:
+    """Their transcodes read 1.39x and 1.40x the file a step (Q6_K and Q5_0 as 8-bit values,
+    Q4_K with offsets): one sequence stays on llama.cpp, eight run the transcode."""
+    source = resolve(name)
+    one = route_for(name, source, "cpu")
+    assert one.format == "gguf" and "the file's bytes a step" in one.why
+    assert route_for(name, source, "cpu", parallel=8).format == "onnx"
 
 
 def test_the_loader_asks_the_rule_with_this_machine(tiny_llama_gguf: Path) -> None:

@@ -4,7 +4,8 @@ for a catalog GGUF, which of the two. A pure function of its inputs (``choose_ro
 A catalog GGUF has an exact ONNX transcode (the native builder keeps the file's blocks, built
 once into ``$EDGEINFER_HOME/derived``). It runs through that transcode when llama.cpp is not
 installed, when the device is one only ONNX Runtime drives (an NPU, DirectML, a named
-provider), and on the CPU whenever onnxruntime and onnx are installed. On the CPU, measured
+provider), and on the CPU whenever onnxruntime and onnx are installed (one sequence only
+where the transcode reads little more than the file, below). On the CPU, measured
 on the default model: one sequence decodes level on both routes on an idle machine, the
 transcode reaches its first token in about half the time and loses less speed beside other
 work (README "Busy machine"); many sequences (``parallel > 1``) gain more, since one forward
@@ -12,6 +13,15 @@ pass over 8 sequences' tokens gives 4.2-5.2x the throughput of one on the ONNX g
 2.3x on llama.cpp's Q4_1 kernels on this class of CPU (``shared/notes/batching.md``). It
 costs memory: the transcode's process peaks higher (323.9 against 199.1 MB in
 ``benchmarks/results/bench-native.json``). On a GPU llama.cpp keeps the model.
+
+One sequence stays on llama.cpp where the transcode reads far more bytes a step than the file
+(``transcode_reads``, from the tensor types: ``gguf_blocks.transcode_reads``). A decode step
+reads every weight once, and the exact forms are larger than some blocks: a Q6_K block
+becomes 8-bit values with a float32 scale per 16, a Q4_K block gains a float32 scale and
+offset per 32. Idle, 2 threads (``benchmarks/results/route_reads.json``): the default model's
+Q4_1 transcode reads 1.16x its file and decodes one sequence at 1.09x llama.cpp's; the
+Qwen2.5-Coder Q4_K_M files' read 1.39x and 1.40x and decode at 0.94x and 0.59x, while 8
+sequences still run 1.85x and 1.49x faster on the transcode.
 
 ``route_on(inventory, ...)`` asks the rule for one machine: which of the route's packages it
 has and where llama.cpp would run the file there come from its inventory alone, so a recorded
@@ -37,6 +47,9 @@ __all__ = ["ENGINES", "Route", "check_engine", "choose_route", "llama_device_on"
 ENGINES = ("auto", "llama.cpp", "onnxruntime")
 _GGUF_DEVICES = ("auto", "cpu", "cuda", "metal", "gpu")  # the rest are ONNX Runtime's only
 _TRANSCODE = "the exact ONNX transcode of the same blocks"
+# One sequence runs the transcode only while a step of it reads at most this many times the
+# file's bytes (measured: 1.16x decodes faster than llama.cpp, 1.39x and 1.40x slower)
+ONE_SEQUENCE_READS = 1.3
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,7 @@ def choose_route(
     installed: Collection[str],
     engine: str = "auto",
     llama_device: str = "cpu",
+    transcode_reads: float = 1.0,
 ) -> Route:
     """The route for a ``model_format`` model ("gguf" | "onnx").
 
@@ -77,6 +91,7 @@ def choose_route(
     normalised device wish (``policy.normalise_device``). ``installed``: the packages present
     among "llama_cpp", "onnxruntime" and "onnx" (the builder). ``llama_device``: where llama.cpp
     would run this model under ``device`` ("cpu", "cuda", "metal", "gpu").
+    ``transcode_reads``: the bytes a step of the transcode reads over the file's.
     """
     engine = check_engine(engine)
     if model_format != "gguf":
@@ -98,7 +113,9 @@ def choose_route(
         return Route("onnx", "gguf", f"engine='onnxruntime' was asked for: {_TRANSCODE}")
     if not transcodable:
         return Route("gguf", "gguf", "a GGUF file runs on llama.cpp")
-    return _catalog_gguf_route(parallel, device, frozenset(installed), llama_device)
+    return _catalog_gguf_route(
+        parallel, device, frozenset(installed), llama_device, transcode_reads
+    )
 
 
 def route_on(
@@ -109,6 +126,7 @@ def route_on(
     parallel: int = 1,
     device: str = "auto",
     engine: str = "auto",
+    transcode_reads: float = 1.0,
 ) -> Route:
     """``choose_route`` for the machine ``inventory`` describes: its packages
     (``DeviceInventory.installed_packages``) and the device its llama.cpp build would run the
@@ -126,6 +144,7 @@ def route_on(
         installed=installed,
         engine=engine,
         llama_device=llama_device,
+        transcode_reads=transcode_reads,
     )
 
 
@@ -142,7 +161,7 @@ def llama_device_on(inventory: DeviceInventory, wish: str) -> str:
 
 
 def _catalog_gguf_route(
-    parallel: int, device: str, installed: frozenset[str], llama_device: str
+    parallel: int, device: str, installed: frozenset[str], llama_device: str, reads: float
 ) -> Route:
     if "llama_cpp" not in installed:
         return Route("onnx", "gguf", f"llama.cpp is not installed: {_TRANSCODE}")
@@ -152,6 +171,15 @@ def _catalog_gguf_route(
         return Route("gguf", "gguf", f"on the {llama_device} GPU: llama.cpp runs the file there")
     if parallel == 1 and device not in ("auto", "cpu"):
         return Route("gguf", "gguf", f"device={device!r}: llama.cpp's GPU build runs the file")
+    if parallel == 1 and reads > ONE_SEQUENCE_READS:
+        return Route(
+            "gguf",
+            "gguf",
+            f"one sequence on the CPU: {_TRANSCODE} would read {reads:.2f}x the file's bytes a "
+            "step (its exact forms of these block types are larger), and llama.cpp decodes "
+            "one sequence of the file faster; parallel > 1 or engine='onnxruntime' runs the "
+            "transcode",
+        )
     missing = [p for p in ("onnxruntime", "onnx") if p not in installed]
     if missing:
         return Route(

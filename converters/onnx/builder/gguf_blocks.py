@@ -32,11 +32,20 @@ widens them to floats and says so.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["FORMS", "OFFSET_BLOCK", "TRANSCODABLE", "BlockForm", "NBitsWeight", "transcode"]
+__all__ = [
+    "FORMS",
+    "OFFSET_BLOCK",
+    "TRANSCODABLE",
+    "BlockForm",
+    "NBitsWeight",
+    "transcode",
+    "transcode_reads",
+]
 
 OFFSET_BLOCK = 32  # the offset term's block width along K, for every type that has one
 
@@ -72,6 +81,12 @@ class BlockForm:
     def kernel(self) -> tuple[int, int]:
         """(bits, block size): projections of one kernel share one MatMulNBits."""
         return self.bits, self.block_size
+
+    def nbytes(self, elements: int) -> float:
+        """Bytes of ``elements`` weights in this form: the values, a float32 scale per
+        block, a float32 offset per 32 where there is one."""
+        per_element = self.bits / 8 + 4 / self.block_size
+        return elements * (per_element + (4 / OFFSET_BLOCK if self.offset else 0.0))
 
 
 # type -> its form, the table above as data (``transcode`` returns weights of this form)
@@ -129,6 +144,25 @@ def transcode(ggml_type: int, raw: np.ndarray, n: int, k: int) -> NBitsWeight | 
     nb = k // elems
     data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, nb, size)
     return _MAPPERS[ggml_type](data, n, k)
+
+
+def transcode_reads(tensors: Iterable[tuple[str, tuple[int, ...], int, int]]) -> float:
+    """The bytes a one-token step of the exact transcode reads, over the GGUF's: every
+    matrix but the embedding (which a step gathers a row of), the embedding too where it is
+    the output head (tied). ``tensors``: (name, shape, ggml type, GGUF bytes) of each; a
+    type without a form is read as float32 (the builder widens it). 1.0 when there is no
+    matrix."""
+    matrices = [t for t in tensors if len(t[1]) == 2]
+    tied = all(name != "output.weight" for name, *_ in matrices)
+    source = transcoded = 0.0
+    for name, shape, ggml_type, nbytes in matrices:
+        if name == "token_embd.weight" and not tied:
+            continue
+        elements = shape[0] * shape[1]
+        form = FORMS.get(ggml_type)
+        source += nbytes
+        transcoded += form.nbytes(elements) if form is not None else 4.0 * elements
+    return transcoded / source if source else 1.0
 
 
 # -- block readers (each returns the per-element integers and the per-block floats) ----------
