@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from edgeinfer.bench import BenchSettings, run_bench
 from edgeinfer.bench.records import BenchResultError, check_report, check_run
-from edgeinfer.bench.report import BenchReport
+from edgeinfer.bench.report import BenchReport, done_tok_s
 from edgeinfer.bench.runner import ProgressLine
 from edgeinfer.bench.streams import _EngineDriver, parallel_figures, percentile
 from edgeinfer.cli.bench import int_list
@@ -54,6 +54,17 @@ def test_streams_together_aggregate_their_tokens() -> None:
     assert got["ttft_p50_s"] == pytest.approx(1.5) and got["ttft_p95_s"] == pytest.approx(1.95)
     assert got["prefill_tok_s"] == pytest.approx(20 / 2.0)
     assert [s["ttft_s"] for s in got["streams"]] == [1.0, 2.0]
+
+
+def test_start_to_end_counts_every_token_over_the_time_to_the_last() -> None:
+    """Two orders of the same work: streams interleaved (first tokens early, decode spread)
+    and prefills first (every first token late, then decode) give the same figure when the
+    last token comes at the same time; the decode-span figure favours the second."""
+    interleaved = parallel_figures([0.0, 0.0], [[1.0, 3.0, 5.0, 7.0], [2.0, 4.0, 6.0, 8.0]], 4)
+    prefills_first = parallel_figures([0.0, 0.0], [[5.0, 6.0, 7.0, 8.0], [5.0, 6.0, 7.0, 8.0]], 4)
+    assert done_tok_s(interleaved) == pytest.approx(8 / 8.0) == done_tok_s(prefills_first)
+    assert interleaved["decode_tok_s"] < prefills_first["decode_tok_s"]
+    assert done_tok_s(parallel_figures([0.0, 0.0], [[], []], n_prompt=4)) == 0.0
 
 
 def test_a_stream_without_tokens_counts_zero() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from .records import BenchResultError, check_report
 
-__all__ = ["BenchReport", "Row", "summarize"]
+__all__ = ["BenchReport", "Row", "done_tok_s", "summarize"]
 
 SCHEMA = "edgeinfer.bench/1"
 MB = 1e6
@@ -33,6 +33,19 @@ PARALLEL_FIGURES = {
 
 _ROW_KEYS = ("model", "model_path", "engine", "engine_model", "threads", "prompt_tokens",
              "new_tokens")  # fmt: skip
+
+
+def done_tok_s(run: dict[str, Any]) -> float:
+    """A parallel run's tokens over the time from the requests to its last token (each
+    stream's time to first token and its decode, the longest of them): prefill, waiting and
+    decode all count, however an engine orders them."""
+    streams = [s for s in run.get("streams", ()) if s["tokens"]]
+    ends = [
+        s["ttft_s"] + ((s["tokens"] - 1) / s["decode_tok_s"] if s["decode_tok_s"] > 0 else 0.0)
+        for s in streams
+    ]
+    span = max(ends, default=0.0)
+    return sum(s["tokens"] for s in streams) / span if span > 0 else 0.0
 
 
 def summarize(values: list[float]) -> dict[str, float]:
@@ -68,6 +81,8 @@ class Row:
         return (self.model, self.threads, self.prompt_tokens, self.parallel)
 
     def figure(self, name: str) -> dict[str, float]:
+        if name == "done_tok_s":
+            return summarize([done_tok_s(r) for r in self.runs])
         source, scale = FIGURES.get(name) or PARALLEL_FIGURES[name]
         return summarize([float(r[source]) * scale for r in self.runs])
 
@@ -217,6 +232,8 @@ class BenchReport:
         return {
             "parallel": r.parallel,
             **{name: r.figure(name) for name in PARALLEL_FIGURES},
+            "done_tok_s": r.figure("done_tok_s"),
+            "done_tok_s_ratio_to_edgeinfer": self.ratio(r, "done_tok_s"),
             "ttft_pooled_ms": r.pooled_ttft_ms(),
             "ratio_to_one_stream": {
                 "tg_tok_s": self.one_stream(r, "tg_tok_s"),
@@ -272,7 +289,7 @@ class BenchReport:
     def _parallel_cells(self, r: Row) -> list[str]:
         """One row of the parallel table, in the order of _PARALLEL_HEADER."""
         ratios = [self.one_stream(r, "tg_tok_s"), self.one_stream(r, "join_ttft_ms"),
-                  self.ratio(r, "tg_tok_s")]  # fmt: skip
+                  self.ratio(r, "tg_tok_s"), self.ratio(r, "done_tok_s")]  # fmt: skip
         pooled = r.pooled_ttft_ms()
         return [
             r.model,
@@ -284,6 +301,7 @@ class BenchReport:
             _pm(r.figure("tg_tok_s"), 1),
             _pm(r.figure("steady_tg_tok_s"), 1),
             _pm(r.figure("stream_tg_tok_s"), 1),
+            _pm(r.figure("done_tok_s"), 1),
             f"{pooled['p50']:.1f}",
             f"{pooled['p95']:.1f}",
             _pm(r.figure("join_ttft_ms"), 1),
@@ -342,8 +360,12 @@ class BenchReport:
             f"mean ± stddev over {s['repetitions']} runs after {s['warmup']} warm-up, engines "
             f"interleaved, one process per run; {s['new_tokens']} greedy tokens after the "
             f"prompt, context {s['context_length']}; peak RSS is the largest run's; tg vs "
-            f"edgeinfer = the row's tg t/s / edgeinfer's. {name}, {self.created[:10]}. {vs}"
+            f"edgeinfer = the row's tg t/s / edgeinfer's{_START_TO_END if self._many() else ''}. "
+            f"{name}, {self.created[:10]}. {vs}"
         )
+
+    def _many(self) -> bool:
+        return any(r.parallel is not None for r in self.measured())
 
     def text(self, markdown: bool = False) -> str:
         out = [self.table(markdown=markdown)]
@@ -390,10 +412,15 @@ _HEADER = ["model", "engine", "provider", "threads", "test", "pp t/s", "tg t/s",
            "peak RSS MB", "plan MB", "tg vs edgeinfer"]  # fmt: skip
 _PARALLEL_HEADER = ["model", "engine", "provider", "threads", "test", "streams",
                     "tg t/s (all)", "tg t/s (all decoding)", "tg t/s per stream",
-                    "TTFT p50 ms", "TTFT p95 ms", "join TTFT ms", "peak RSS MB",
-                    "tg vs 1 stream", "join TTFT vs alone", "tg vs edgeinfer"]  # fmt: skip
+                    "t/s start to end", "TTFT p50 ms", "TTFT p95 ms", "join TTFT ms",
+                    "peak RSS MB", "tg vs 1 stream", "join TTFT vs alone", "tg vs edgeinfer",
+                    "start to end vs edgeinfer"]  # fmt: skip
+_START_TO_END = (
+    "; t/s start to end = every stream's tokens over the time from the requests to the last "
+    "token (prefill, waiting and decode, however the engine orders them)"
+)
 _AGREEMENT_HEADER = ["top-1 vs ref", "greedy prefix"]  # with --agreement
-_RIGHT = {3, *range(5, 18)}  # the columns of numbers, right-aligned
+_RIGHT = {3, *range(5, 20)}  # the columns of numbers, right-aligned
 
 
 def _markdown(header: list[str], body: list[list[str]]) -> list[str]:
