@@ -39,6 +39,7 @@ BUSY = results("busy_cpu.json")
 OMP = results("busy_cpu_omp_wait.json")
 AGREE = results("agreement.json")
 ROUTES = results("route_reads.json")
+ROUTES2 = results("route_reads_2.json")
 READS_MODELS = (
     "smollm2-135m-instruct",
     "qwen2.5-coder-0.5b-instruct",
@@ -363,5 +364,18 @@ BENCH_SPECS: list[Spec] = [
         ),
         mb(ROUTES("summary", f"{READS_MODELS[2]} parallel=1", "llama.cpp", "peak_rss_mb")),
         mb(ROUTES("summary", f"{READS_MODELS[2]} parallel=1", "onnxruntime", "peak_rss_mb")),
+    ),
+    spec(
+        PERF,
+        "Two sequences part the two files:",
+        *[
+            f
+            for model in READS_MODELS[1:]
+            for f in (
+                times(ROUTES2("summary", f"{model} parallel=2", "decode_onnx_over_llama")),
+                tps(ROUTES2("summary", f"{model} parallel=2", "onnxruntime", "steady_tg_tok_s")),
+                tps(ROUTES2("summary", f"{model} parallel=2", "llama.cpp", "steady_tg_tok_s")),
+            )
+        ],
     ),
 ]

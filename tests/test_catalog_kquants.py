@@ -1,7 +1,8 @@
 """Catalog GGUFs of K-quant mixes (the two Qwen2.5-Coder entries are Q4_K_M: Q4_K and Q6_K
 blocks, with Q5_0 and Q8_0 where a row is not a whole number of 256-wide blocks) on the route
 rule. The native builder keeps every one of those types as blocks (``gguf_blocks.TRANSCODABLE``),
-so on a CPU the rule's exact ONNX transcode applies to them as to the default model's Q4_1.
+but its exact forms of them are larger than the blocks (a step reads 1.4x the file), so on a CPU
+the rule runs few sequences of such a file on llama.cpp and many on the exact ONNX transcode.
 
 A tiny random Llama quantized by llama.cpp to Q4_K_M (hidden 256, an MLP of 288 so that
 ``ffn_down`` falls back to Q5_0/Q8_0) stands in for them: no download. Its weights are small
@@ -119,14 +120,17 @@ def test_the_stand_in_has_the_qwen_entries_block_types(kquant_gguf: Path) -> Non
     assert {Q4_K, Q5_0, Q6_K, Q8_0} <= set(types) <= TRANSCODABLE
 
 
-def test_a_kquant_catalog_gguf_takes_the_exact_transcode_on_a_cpu(
+def test_a_kquant_catalog_gguf_runs_few_sequences_on_llama_cpp_and_many_on_the_transcode(
     catalog_kquants: CatalogEntry,
 ) -> None:
     source = resolve(NAME)
-    route = route_for(NAME, source, "cpu")
-    assert (route.format, route.source) == ("onnx", "gguf")
-    assert "exact ONNX transcode of the same blocks" in route.why
-    assert route_for(NAME, source, "cpu", engine="llama.cpp").format == "gguf"
+    one = route_for(NAME, source, "cpu")
+    assert one.format == "gguf" and "the file's bytes a step" in one.why
+    many = route_for(NAME, source, "cpu", parallel=8)
+    assert (many.format, many.source) == ("onnx", "gguf")
+    assert "exact ONNX transcode of the same blocks" in many.why
+    assert route_for(NAME, source, "cpu", engine="onnxruntime").format == "onnx"
+    assert route_for(NAME, source, "cpu", parallel=8, engine="llama.cpp").format == "gguf"
 
 
 def test_its_transcode_has_the_files_weights(
@@ -139,7 +143,8 @@ def test_its_transcode_has_the_files_weights(
     ids, truth = _llama_cpp_logits(dequantized_gguf, TEXT)
     ids_q, llama_q = _llama_cpp_logits(kquant_gguf, TEXT)
     assert ids == ids_q
-    with edgeinfer.load(NAME, device="cpu", context_length=128, threads=1) as model:
+    with edgeinfer.load(NAME, device="cpu", context_length=128, threads=1,
+                        engine="onnxruntime") as model:  # fmt: skip
         route = model.info["route"]
         assert route["format"] == "onnx" and "exact ONNX transcode" in route["why"], route
         assert model.tokenize(TEXT) == ids

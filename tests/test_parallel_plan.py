@@ -333,7 +333,8 @@ def test_the_route_of_a_catalog_gguf(
         (1.16, 1, "auto", "onnx"),  # the default model's Q4_1: decodes level, answers sooner
         (1.30, 1, "auto", "onnx"),
         (1.40, 1, "auto", "gguf"),  # Q4_K_M files: Q6_K as 8-bit/16, K-quant offsets
-        (1.40, 8, "auto", "onnx"),  # many sequences still batch better on the transcode
+        (1.40, 2, "auto", "onnx"),  # two sequences: the 0.5B's 1.53x, the 1.5B's 0.88x
+        (1.40, 8, "auto", "onnx"),  # many sequences batch better on the transcode
         (1.40, 1, "onnxruntime", "onnx"),  # the user's word
     ],
 )
