@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,24 @@ def test_start_to_end_counts_every_token_over_the_time_to_the_last() -> None:
     assert done_tok_s(interleaved) == pytest.approx(8 / 8.0) == done_tok_s(prefills_first)
     assert interleaved["decode_tok_s"] < prefills_first["decode_tok_s"]
     assert done_tok_s(parallel_figures([0.0, 0.0], [[], []], n_prompt=4)) == 0.0
+
+
+@given(
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "tokens": st.integers(0, 10**6),
+                "ttft_s": st.floats(0, 1e6, allow_nan=False),
+                "decode_tok_s": st.floats(0, 1e6, allow_nan=False, allow_subnormal=True),
+            }
+        ),
+        max_size=16,
+    )
+)
+def test_start_to_end_of_any_checked_streams_is_a_finite_rate(streams: list[dict]) -> None:
+    """What ``--from`` files may hold (every figure finite and >= 0) gives a finite rate."""
+    got = done_tok_s({"streams": streams})
+    assert math.isfinite(got) and got >= 0
 
 
 def test_a_stream_without_tokens_counts_zero() -> None:
