@@ -1,5 +1,6 @@
-"""What a forward pass of the default model's ONNX transcode spends its time on, by kind of
-node: onnxruntime's own profiler over one-token steps and passes over several tokens.
+"""What a forward pass of a catalog model's ONNX transcode (the default model unless
+``--model``) spends its time on, by kind of node: onnxruntime's own profiler over one-token
+steps and passes over several tokens.
 
 The exact transcode computes each Q4_1 projection as a 4-bit ``MatMulNBits`` plus the
 blocks' offsets: ``MatMul`` (the input's sum over each 32-wide block) then ``MatMul`` (those
@@ -142,7 +143,7 @@ def main() -> None:
         print(f"{p['tokens']} tokens: {p['pass_us_median'] / 1000:.2f} ms a pass; {top}; "
               f"offsets {p['offset_share']:.1%}")  # fmt: skip
     record = {
-        "what": "onnxruntime's profile of the default model's exact transcode: median "
+        "what": "onnxruntime's profile of a catalog model's exact transcode: median "
         "microseconds per pass by kind of node, the Q4_1 offset term's nodes apart",
         "model": args.model,
         "past": args.past,

@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_parallel
 import conditions
 
 MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
@@ -33,12 +32,13 @@ FIGURES = ("tg_tok_s", "pp_tok_s", "ttft_ms", "peak_rss_mb", "steady_tg_tok_s")
 
 def reads(model: str) -> dict[str, Any]:
     """The transcode's read ratio and the route ``load()`` takes, one sequence and eight."""
+    from edgeinfer.converters.onnx.builder.gguf_blocks import transcode_reads
     from edgeinfer.files.source import resolve
-    from edgeinfer.load_plan import route_for, transcode_reads
+    from edgeinfer.load_plan import route_for
 
     source = resolve(model)
     return {
-        "transcode_reads": round(transcode_reads(source.header), 4),
+        "transcode_reads": round(transcode_reads(source.header.tensors), 4),
         "route_one_sequence": route_for(model, source, "auto").to_dict(),
         "route_parallel_8": route_for(model, source, "auto", parallel=8).to_dict(),
     }
@@ -46,16 +46,12 @@ def reads(model: str) -> dict[str, Any]:
 
 def bench(model: str, engine: str, parallel: int, args: argparse.Namespace) -> dict[str, Any]:
     """One ``edgeinfer bench`` run (its warm-up run, then one measured): the figures."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "bench.json"
-        command = [sys.executable, "-m", "edgeinfer", "bench", model, "--engine", engine,
-                   "-p", str(args.prompt_tokens), "-n", str(args.new_tokens), "-r", "1",
-                   "--threads", str(args.threads), "--json"]  # fmt: skip
-        if parallel > 1:
-            command += ["--parallel", str(parallel)]
-        with out.open("w") as fh:
-            subprocess.run(command, check=True, stdout=fh, timeout=args.run_timeout)
-        row = json.loads(out.read_text())["results"][0]
+    options = [model, "--engine", engine, "-p", str(args.prompt_tokens),
+               "-n", str(args.new_tokens), "-r", "1", "--threads", str(args.threads),
+               "--timeout", str(args.run_timeout)]  # fmt: skip
+    if parallel > 1:
+        options += ["--parallel", str(parallel)]
+    row = bench_parallel.bench(options)["results"][0]
     figures = {}
     for name in FIGURES:
         value = row.get(name)
@@ -92,7 +88,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--run-timeout", type=float, default=900)
+    p.add_argument("--run-timeout", type=float, default=900, help="edgeinfer bench --timeout")
     p.add_argument("-o", "--out", type=Path, default=Path("benchmarks/results/route_reads.json"))
     args = p.parse_args()
     models = args.models.split(",")

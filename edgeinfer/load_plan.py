@@ -23,7 +23,6 @@ from pathlib import Path
 from .config import LoadConfig
 from .errors import BackendUnavailableError, InvalidRequestError, MemoryBudgetError, ModelLoadError
 from .files import catalog
-from .files.gguf_file import GGUFHeader
 from .files.manifest import MANIFEST_NAME, PARTIAL_MARKER, Manifest
 from .files.source import ModelSource
 from .machine.inventory import DeviceInventory, devices
@@ -94,16 +93,13 @@ def route_for(
     transcodable = catalog_gguf(model, source)
     gpu = transcodable and bool(machine.devices().gpus)
     inventory = machine.devices(engines=("llama_cpp",) if gpu else ())
-    reads = transcode_reads(source.header) if transcodable else 1.0
+    reads = 1.0
+    if transcodable:  # the builder's package, only for a catalog GGUF
+        from .converters.onnx.builder.gguf_blocks import transcode_reads
+
+        reads = transcode_reads(source.header.tensors)
     return route_on(inventory, source.format, transcodable=transcodable, parallel=parallel,
                     device=device, engine=engine, transcode_reads=reads)  # fmt: skip
-
-
-def transcode_reads(header: GGUFHeader) -> float:
-    """The bytes a step of a GGUF's exact ONNX transcode reads, over the file's."""
-    from .converters.onnx.builder.gguf_blocks import transcode_reads as reads
-
-    return reads((t.name, t.shape, t.ggml_type, t.nbytes or 0) for t in header.tensors)
 
 
 def runs_as_onnx(

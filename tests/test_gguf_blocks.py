@@ -17,6 +17,7 @@ from edgeinfer.converters.onnx.builder.gguf_blocks import (
     transcode,
     transcode_reads,
 )
+from edgeinfer.files.gguf_file import TensorInfo
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -150,14 +151,14 @@ def test_a_form_counts_the_bytes_the_transcode_makes(qtype: int) -> None:
     assert FORMS[int(qtype)].nbytes(n * k) == made
 
 
-def _tensor(name: str, qtype: int, n: int, k: int) -> tuple[str, tuple[int, ...], int, int]:
-    elems, size = gguf.GGML_QUANT_SIZES[qtype]
-    return name, (n, k), int(qtype), n * k // elems * size
+def _tensor(name: str, qtype: int, n: int, k: int) -> TensorInfo:
+    """A header's record of an [n, k] matrix (``shape`` as the reader keeps it)."""
+    return TensorInfo(name, (n, k), int(qtype), offset=0)
 
 
 def test_a_step_reads_the_matrices_the_head_included_once() -> None:
     q4_1 = _tensor("blk.0.ffn_up.weight", T.Q4_1, 64, 256)
-    norm = ("blk.0.attn_norm.weight", (256,), int(T.F32), 1024)
+    norm = TensorInfo("blk.0.attn_norm.weight", (256,), int(T.F32), offset=0)
     # Q4_1: 20 bytes per 32 weights become 16 + a scale and an offset of 4 each
     assert transcode_reads([q4_1, norm]) == pytest.approx(24 / 20)
     q6_k = _tensor("output.weight", T.Q6_K, 64, 256)  # 210 bytes per 256 become 256 + 16 * 4

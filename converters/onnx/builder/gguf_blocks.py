@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgeinfer.files.gguf_file import TensorInfo
+
 __all__ = [
     "FORMS",
     "OFFSET_BLOCK",
@@ -146,21 +148,20 @@ def transcode(ggml_type: int, raw: np.ndarray, n: int, k: int) -> NBitsWeight | 
     return _MAPPERS[ggml_type](data, n, k)
 
 
-def transcode_reads(tensors: Iterable[tuple[str, tuple[int, ...], int, int]]) -> float:
+def transcode_reads(tensors: Iterable[TensorInfo]) -> float:
     """The bytes a one-token step of the exact transcode reads, over the GGUF's: every
     matrix but the embedding (which a step gathers a row of), the embedding too where it is
-    the output head (tied). ``tensors``: (name, shape, ggml type, GGUF bytes) of each; a
-    type without a form is read as float32 (the builder widens it). 1.0 when there is no
-    matrix."""
-    matrices = [t for t in tensors if len(t[1]) == 2]
-    tied = all(name != "output.weight" for name, *_ in matrices)
+    the output head (tied). A type without a form is read as float32 (the builder widens
+    it). 1.0 when there is no matrix."""
+    matrices = [t for t in tensors if len(t.shape) == 2]
+    tied = all(t.name != "output.weight" for t in matrices)
     source = transcoded = 0.0
-    for name, shape, ggml_type, nbytes in matrices:
-        if name == "token_embd.weight" and not tied:
+    for t in matrices:
+        if t.name == "token_embd.weight" and not tied:
             continue
-        elements = shape[0] * shape[1]
-        form = FORMS.get(ggml_type)
-        source += nbytes
+        elements = t.shape[0] * t.shape[1]
+        form = FORMS.get(t.ggml_type)
+        source += t.nbytes or 0
         transcoded += form.nbytes(elements) if form is not None else 4.0 * elements
     return transcoded / source if source else 1.0
 
