@@ -9,6 +9,11 @@ context, then report the plan (context, batch, total and its parts) and the peak
     python benchmarks/bench_memory.py --parts              # RSS after each import/load step
     python benchmarks/bench_memory.py --model DIR --budgets 400MB 512MB 1GB
     python benchmarks/bench_memory.py --threads 1 2 4      # each budget at 1, 2, 4 threads
+    python benchmarks/bench_memory.py --contexts 256 512   # fixed contexts, no budget
+    python benchmarks/bench_memory.py --engine llama.cpp   # load(engine=...) in every case
+
+A budget the plan refuses is a row with its error (the refusal's message) and, with
+``--contexts``, the peak a fixed context reaches shows how close it came.
 
 Linux only (VmHWM). Writes benchmarks/results/memory.json (or --out).
 """
@@ -23,13 +28,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import conditions
+
 CHILD = r"""
 import json, sys
 import edgeinfer
 from edgeinfer.memory.rss import peak_rss
 model, budget, ctx, batch = sys.argv[1:5]
-fill, threads = float(sys.argv[5]), int(sys.argv[6])
-kw = {}
+fill, threads, engine = float(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
+kw = {} if engine == "-" else {"engine": engine}
 if budget != "-":
     kw["memory_budget"] = budget
 if ctx != "-":
@@ -44,7 +51,9 @@ with edgeinfer.load(model, threads=threads, **kw) as llm:
     ids = (unit * (n_ctx // len(unit) + 1))[: int(n_ctx * fill)]
     result = llm.generate(ids, max_new_tokens=n_ctx - len(ids), temperature=0,
                           logit_bias={t: -100.0 for t in [0, 1, 2]})
+    route = {"backend": llm.info.get("backend"), "route": llm.info.get("route")}
     print(json.dumps({"plan": plan, "context_length": n_ctx, "prompt_tokens": len(ids),
+                      "route": route,
                       "completion_tokens": result.stats.completion_tokens,
                       "finish_reason": result.finish_reason, "peak_rss": peak_rss()}))
 """
@@ -104,10 +113,10 @@ def parts(model: str, out_path: Path | None) -> int:
 
 
 def run_case(
-    model: str, budget: str, ctx: str, batch: str, fill: float, threads: int
+    model: str, budget: str, ctx: str, batch: str, fill: float, threads: int, engine: str = "-"
 ) -> dict[str, Any]:
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, model, budget, ctx, batch, str(fill), str(threads)],
+        [sys.executable, "-c", CHILD, model, budget, ctx, batch, str(fill), str(threads), engine],
         capture_output=True,
         text=True,
         check=False,
@@ -132,6 +141,8 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--budgets", nargs="*", default=["200MB", "256MB", "512MB", "1GB"])
     ap.add_argument("--grid", action="store_true", help="contexts x batches, no budget")
+    ap.add_argument("--contexts", type=int, nargs="*", default=[], help="fixed, no budget")
+    ap.add_argument("--engine", default="-", help="load(engine=...) for every case")
     ap.add_argument("--parts", action="store_true", help="RSS after each import and load step")
     ap.add_argument("--fill", type=float, default=0.95, help="prompt share of the context")
     ap.add_argument("--threads", type=int, nargs="*", default=[2], help="compute threads")
@@ -145,6 +156,9 @@ def main() -> int:
         cases = [("-", str(c), str(b)) for c in (512, 2048, 8192) for b in (64, 512)]
     else:
         cases = [(b, "-", "-") for b in args.budgets]
+        cases += [("-", str(c), "-") for c in args.contexts]
+    rounds = len(cases) * len(args.threads)
+    measured = conditions.start(args.threads[0] if len(args.threads) == 1 else None, rounds)
     rows = []
     print(
         f"{'budget':>8} {'thr':>3} {'ctx':>6} {'batch':>5} {'at load MB':>10} {'planned MB':>10} "
@@ -152,14 +166,14 @@ def main() -> int:
     )
     for budget, ctx, batch in cases:
         for threads in args.threads:
-            row = run_case(args.model, budget, ctx, batch, args.fill, threads)
+            row = run_case(args.model, budget, ctx, batch, args.fill, threads, args.engine)
             rows.append(row)
             _print_row(row)
     if rows and all("error" not in r for r in rows):
         slack = [r["planned"] - r["peak_rss"] for r in rows]
         print(f"plan - peak: min {min(slack) / 1e6:+.1f} MB, max {max(slack) / 1e6:+.1f} MB")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": args.model, "cases": rows}, indent=1) + "\n")
+    record = {"model": args.model, "cases": rows, "conditions": conditions.finish(measured)}
+    conditions.write(args.out, record)
     return 0
 
 
