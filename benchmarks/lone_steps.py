@@ -6,7 +6,13 @@ pairs every lone step with a spare cache row (``runtimes/onnx_slots.py``; ``mode
 switched on and off by hand, whatever the load probe chose, interleaved round by round, on
 the backend's own step (no sampling): the price paid on CPUs that need it, measured here.
 
+With ``--streams N`` it measures N streams instead (``parallel=N``, greedy, through
+``generate_many``): the requests ask for 1/2 to all of ``--steps`` new tokens, so as they
+end the last ones step with fewer rows and the longest runs alone, the steps pairing
+changes; the figure is the aggregate rate, paired over not, interleaved round by round.
+
     python benchmarks/lone_steps.py --rounds 8
+    python benchmarks/lone_steps.py --streams 8 --threads 2 --steps 64 -o FILE
 """
 
 from __future__ import annotations
@@ -51,6 +57,36 @@ def measure(threads: int, rounds: int, steps: int) -> dict[str, Any]:
             order = ("alone", "paired") if r % 2 == 0 else ("paired", "alone")
             for mode in order:
                 rates[mode].append(decode_rate(backend, prompt, steps, mode == "paired"))
+    return _figures(threads, probe, rates)
+
+
+def streams_rate(model: Any, prompts: list[list[int]], steps: int, paired: bool) -> float:
+    """Aggregate tokens per second of ``prompts`` run at once, pairing on or off; the
+    requests' lengths spread from half of ``steps`` to all of it."""
+    model._backend._pair(paired)
+    n = len(prompts)
+    requests = [{"prompt": p, "max_new_tokens": steps // 2 + (steps // 2) * i // max(n - 1, 1)}
+                for i, p in enumerate(prompts)]  # fmt: skip
+    start = time.perf_counter()
+    results = model.generate_many(requests, temperature=0, logit_bias={0: -100.0, 2: -100.0})
+    return sum(r.stats.completion_tokens for r in results) / (time.perf_counter() - start)
+
+
+def measure_streams(threads: int, rounds: int, steps: int, streams: int) -> dict[str, Any]:
+    with edgeinfer.load(DEFAULT_MODEL, engine="onnxruntime", threads=threads,
+                        parallel=streams) as model:  # fmt: skip
+        probe = model.info["lone_steps"]
+        prompts = [model.tokenize(f"{PROMPT} ({i})") for i in range(streams)]
+        streams_rate(model, prompts, 16, True)  # both settings' shapes planned once
+        streams_rate(model, prompts, 16, False)
+        rates: dict[str, list[float]] = {"alone": [], "paired": []}
+        for r in range(rounds):
+            for mode in ("alone", "paired") if r % 2 == 0 else ("paired", "alone"):
+                rates[mode].append(streams_rate(model, prompts, steps, mode == "paired"))
+    return _figures(threads, probe, rates) | {"streams": streams}
+
+
+def _figures(threads: int, probe: str, rates: dict[str, list[float]]) -> dict[str, Any]:
     ratios = [p / a for p, a in zip(rates["paired"], rates["alone"], strict=True)]
     return {
         "threads": threads,
@@ -69,13 +105,19 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=192, help="decode steps per run")
     parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
+    parser.add_argument("--streams", type=int, default=1, help="N streams at once (parallel=N)")
     parser.add_argument("-o", "--output", type=Path, default=OUT)
     args = parser.parse_args()
     counts = [int(t) for t in args.threads.split(",")]
     cond = conditions.start(max(counts), args.rounds)
-    results = [measure(t, args.rounds, args.steps) for t in counts]
+    if args.streams > 1:
+        results = [measure_streams(t, args.rounds, args.steps, args.streams) for t in counts]
+        what = f"{args.streams} streams on the ONNX route, lengths spread: lone steps or paired"
+    else:
+        results = [measure(t, args.rounds, args.steps) for t in counts]
+        what = "one stream decoding on the ONNX route: lone steps alone vs paired"
     record = {
-        "what": "one stream decoding on the ONNX route: lone steps alone vs paired",
+        "what": what,
         "model": DEFAULT_MODEL,
         "steps": args.steps,
         "results": results,

@@ -35,7 +35,6 @@ from tests.figures import (
     sec,
     texts_s,
     times,
-    tps,
     us,
 )
 
@@ -43,18 +42,13 @@ A_LIMIT = "an input limit"
 CATALOG_SIZE = "the catalog file's size on the package index"
 DEFAULT = "a default setting"
 
-BPQ = results("bench-parallel-onnx-1-8-quiet.json")
-BP = results("bench-parallel-onnx-1-8.json")
 CHAT_REUSE = results("chat_reuse.json")
 EMBED_QUIET = results("bench-embed-gguf-quiet.json")
 EMBED_BUSY = results("bench-embed-gguf.json")
 FIRST = results("first_answer_onnx.json")
-LLAMA_SLOTS = results("llama_slots_step.json")
-ONNX_SLOTS = results("onnx_slots_step.json")
 CACHE = results("prompt_cache.json")
 SAMPLING = results("sampling.json")
 SERVE = results("serve.json")
-SERVE_PAR = results("serve_parallel.json")
 STRUCT = results("structured.json")
 TOOL_CALLS = results("tool_calls.json")
 _TOOL_RATES = ("called_when_should", "right_function", "arguments_valid", "arguments_right",
@@ -73,19 +67,6 @@ def _tool_rows() -> list:  # type: ignore[type-arg]
     return cells
 
 
-def _bp(file_field, engine: str, parallel: int, *keys: str):
-    return file_field(
-        "reports", "onnxruntime", "results", {"engine": engine, "parallel": parallel}, *keys
-    )
-
-
-def _target(file_field, what: str, *keys: str):
-    return file_field("targets", f"onnxruntime: {what}", *keys)
-
-
-_EIGHT = "edgeinfer / og.Engine, aggregate decode, 8 streams"
-_ONE = "edgeinfer / og.Engine, aggregate decode, 1 streams"
-_AGG = "aggregate decode, 8 streams / 1 stream"
 _CACHE = {r: under(CACHE, "summary", r) for r in ("onnx", "gguf")}
 
 
@@ -300,91 +281,6 @@ SMALL_SPECS = [
             load(CACHE("loadavg_start", 0)),
             sec(_CACHE["onnx"]("ttft_first_request_no_cache_s")),
             sec(_CACHE["onnx"]("ttft_cold_s")),
-        ),
-    ),
-    Spec(
-        "docs/many-requests.md",
-        "Throughput, the default model, 2 threads, measured",
-        (
-            load(
-                lo(
-                    each(
-                        ONNX_SLOTS("machine", "load_average_before", 0),
-                        ONNX_SLOTS("machine", "load_average_after", 0),
-                        LLAMA_SLOTS("variants", "*", "step", "load_avg_before"),
-                        SERVE_PAR("machine", "loadavg_at_start", 0),
-                    )
-                )
-            ),
-            load(
-                hi(
-                    each(
-                        ONNX_SLOTS("machine", "load_average_after", 0),
-                        LLAMA_SLOTS("variants", "*", "step", "load_avg_before"),
-                        SERVE_PAR("machine", "loadavg_at_end", 0),
-                    )
-                )
-            ),
-        ),
-    ),
-    Spec(
-        "docs/many-requests.md",
-        "| what | command | figure | target |",
-        (
-            times(_target(BPQ, _AGG, "ratio")),
-            times(_target(BPQ, _AGG, "all_decoding_ratio")),
-            given("8", "the number of streams"),
-            bare(_bp(BPQ, "edgeinfer", 8, "steady_tg_tok_s", "mean")),
-            tps(_bp(BPQ, "edgeinfer", 1, "tg_tok_s", "mean")),
-            times(_target(BP, _AGG, "ratio")),
-            given("3x", "a target"),
-            times(ONNX_SLOTS("throughput", "relative_to_k1", "8", "median")),
-            times(ONNX_SLOTS("throughput", "relative_to_k1", "8", "min")),
-            times(ONNX_SLOTS("throughput", "relative_to_k1", "8", "max")),
-            times(
-                LLAMA_SLOTS(
-                    "variants",
-                    {"flash_attention": False, "kv_unified": False},
-                    "step",
-                    "speedup_vs_k1",
-                    "8",
-                )
-            ),
-            times(
-                LLAMA_SLOTS(
-                    "variants",
-                    {"flash_attention": True, "kv_unified": False},
-                    "step",
-                    "speedup_vs_k1",
-                    "8",
-                )
-            ),
-            times(_target(BPQ, _EIGHT, "ratio")),
-            given("8", "the number of streams"),
-            times(_target(BPQ, _ONE, "ratio")),
-            given("1", "the number of streams"),
-            bare(_bp(BPQ, "edgeinfer", 8, "tg_tok_s", "mean")),
-            bare(_bp(BPQ, "onnxruntime-genai", 8, "tg_tok_s", "mean")),
-            bare(_bp(BPQ, "edgeinfer", 1, "tg_tok_s", "mean")),
-            tps(_bp(BPQ, "onnxruntime-genai", 1, "tg_tok_s", "mean")),
-            given("1.0x", "a target"),
-            times(_target(BPQ, "TTFT joining 7 running streams / alone", "ratio")),
-            bare(_target(BPQ, _EIGHT, "join_ttft_ms", "edgeinfer")),
-            ms(_target(BPQ, _ONE, "join_ttft_ms", "edgeinfer")),
-            times(SERVE_PAR("parallel", "8", "join", "joined_over_alone", "median")),
-            given("2x", "a target"),
-            load(SERVE_PAR("machine", "loadavg_at_start", 0)),
-        ),
-    ),
-    Spec(
-        "docs/many-requests.md",
-        "What the figures say: batching works on both routes",
-        (
-            times(_target(BPQ, _AGG, "ratio")),
-            times(_target(BPQ, _AGG, "all_decoding_ratio")),
-            given("3x", "a target"),
-            sec(_target(BPQ, _EIGHT, "join_ttft_ms", "og.Engine") / 1000),
-            sec(_target(BPQ, _EIGHT, "join_ttft_ms", "edgeinfer") / 1000),
         ),
     ),
 ]
