@@ -73,7 +73,7 @@ class Model:
         self._route = dict(route) if route is not None else None
         self._states: SeqStates | None = None  # save_state / load_state, made when first used
         self._disk = attach_cache(prompt_cache, backend, path, memory_plan)
-        self._spec, self._costs = speculative or OFF, PassCosts()  # see generation/speculative.py
+        self._spec, self._costs = speculative or OFF, PassCosts.at_load(backend, speculative)
         # the one generation loop: at parallel > 1 its thread steps every caller's sequence
         # together; at parallel=1 the caller's thread steps it in its turn
         threaded = getattr(backend, "n_slots", 1) > 1

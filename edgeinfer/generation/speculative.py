@@ -21,8 +21,8 @@ of the text's suffix) or a draft model (``draft_model.DraftModel``: a smaller mo
 of the same vocabulary, opened by ``load(speculative="draft:NAME")``, decoding greedily).
 
 Adaptive: drafting pays only when enough drafts are kept to cover the longer pass (and, with
-a draft model, the draft's own steps). ``PassCosts`` times the model's one-token steps and
-k-token passes as they run, ``DraftCosts`` a draft model's steps; per request
+a draft model, the draft's own steps). ``pass_costs.PassCosts`` times the model's one-token
+steps and k-token passes at load and as they run, ``DraftCosts`` a draft model's steps; per request
 ``DraftBudget`` tracks the share of drafts kept and drafts the k that maximises expected
 tokens per second, or nothing when no k beats a plain step.
 """
@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from ..errors import InvalidRequestError
+from .pass_costs import PassCosts
 
 if TYPE_CHECKING:
     from ..runtimes.base import Backend
@@ -241,38 +242,6 @@ class PromptLookup:
                 return list(text[end : end + min(k, self.max_draft)])
         self.matched = 0
         return []
-
-
-def _prior(k: int) -> float:
-    """Seconds of a pass over k + 1 tokens per one-token step, before any is measured: a
-    guess between onnxruntime's (4 tokens ~1.3x a step) and llama.cpp's (~2.2x)."""
-    return 1.0 + 0.25 * k
-
-
-@dataclass
-class PassCosts:
-    """Measured seconds of the model's forward passes: one-token steps and passes over
-    1 + k tokens (moving averages), shared by every request of one model."""
-
-    step_s: float = 0.0
-    pass_s: dict[int, float] = field(default_factory=dict)
-    _weight: float = 0.2  # of each new measurement in the moving average
-
-    def record_step(self, seconds: float) -> None:
-        w = self._weight
-        self.step_s = seconds if self.step_s == 0 else (1 - w) * self.step_s + w * seconds
-
-    def record_pass(self, k: int, seconds: float) -> None:
-        old = self.pass_s.get(k)
-        w = self._weight
-        self.pass_s[k] = seconds if old is None else (1 - w) * old + w * seconds
-
-    def ratio(self, k: int) -> float:
-        """A pass over 1 + k tokens in one-token steps."""
-        measured = self.pass_s.get(k)
-        if measured is None or self.step_s == 0:
-            return _prior(k)
-        return max(measured / self.step_s, 1.0)
 
 
 @dataclass

@@ -1,0 +1,170 @@
+"""What a model's forward passes cost: one-token steps and passes over 1 + k tokens.
+
+Speculative decoding drafts only while the drafts it expects to keep pay for the longer pass
+(``speculative.DraftBudget``), so it needs a pass over 1 + k tokens in one-token steps, on this
+machine, for this model and engine: on onnxruntime a pass over 9 tokens may cost 3 steps, on
+llama.cpp's CPU kernels 7. ``PassCosts.calibrate`` times them on the model itself when it is
+loaded with speculation on (a few passes on an empty cache, which it leaves empty), and every
+step and pass that runs afterwards refines them (a moving average). A k never timed is
+interpolated between the nearest two that were; before anything is timed a guess stands in.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ..runtimes.base import Backend
+
+__all__ = ["CALIBRATED_DRAFTS", "PassCosts"]
+
+logger = logging.getLogger(__name__)
+
+CALIBRATED_DRAFTS = (1, 4)  # the k whose passes are timed at load, beside max_draft's
+_CALIBRATION_ROUNDS = 2  # timed rounds (after one untimed: each shape's first run is slower)
+_CALIBRATION_PROMPT = 16  # tokens in the cache while passes are timed
+
+
+class Setting(Protocol):
+    """What timing at load reads of a speculative setting (``speculative.SpeculativeConfig``)."""
+
+    @property
+    def on(self) -> bool: ...
+
+    @property
+    def max_draft(self) -> int: ...
+
+
+def _prior(k: int) -> float:
+    """Seconds of a pass over k + 1 tokens per one-token step, before any is measured: a
+    guess between onnxruntime's (4 tokens ~1.3x a step) and llama.cpp's (~2.2x)."""
+    return 1.0 + 0.25 * k
+
+
+@dataclass
+class PassCosts:
+    """Measured seconds of the model's forward passes: one-token steps and passes over
+    1 + k tokens (moving averages), shared by every request of one model."""
+
+    step_s: float = 0.0
+    pass_s: dict[int, float] = field(default_factory=dict)
+    _weight: float = 0.2  # of each new measurement in the moving average
+
+    @classmethod
+    def at_load(cls, backend: Backend, setting: Setting | None) -> PassCosts:
+        """A model's pass costs: timed on ``backend`` now (at load, its cache empty) when its
+        requests speculate by default and it can verify in one pass; else learned as they
+        run (a request that asks for speculation of a model loaded without it)."""
+        costs = cls()
+        if setting is not None and setting.on and getattr(backend, "multi_position_logits", 0):
+            costs.calibrate(backend, setting.max_draft)
+        return costs
+
+    def record_step(self, seconds: float) -> None:
+        w = self._weight
+        self.step_s = seconds if self.step_s == 0 else (1 - w) * self.step_s + w * seconds
+
+    def record_pass(self, k: int, seconds: float) -> None:
+        old = self.pass_s.get(k)
+        w = self._weight
+        self.pass_s[k] = seconds if old is None else (1 - w) * old + w * seconds
+
+    def ratio(self, k: int) -> float:
+        """A pass over 1 + k tokens in one-token steps (never below one)."""
+        if self.step_s == 0 or not self.pass_s:
+            return _prior(k)
+        measured = self.pass_s.get(k)
+        if measured is None:
+            measured = self._between(k)
+        return max(measured / self.step_s, 1.0)
+
+    def _between(self, k: int) -> float:
+        """Seconds of a pass over 1 + k tokens, interpolated between the nearest measured
+        k (beyond the largest, along the last two's slope; below the smallest, towards a
+        step at k = 0)."""
+        points = sorted(self.pass_s.items())
+        ks = [p[0] for p in points]
+        i = bisect.bisect_left(ks, k)
+        if i == 0:
+            (k1, s1), (k0, s0) = points[0], (0, self.step_s)
+        elif i == len(points):
+            (k0, s0), (k1, s1) = points[-2] if len(points) > 1 else (0, self.step_s), points[-1]
+        else:
+            (k0, s0), (k1, s1) = points[i - 1], points[i]
+        return s0 + (s1 - s0) * (k - k0) / (k1 - k0)
+
+    def calibrate(self, backend: Backend, max_draft: int, slot: int = 0) -> None:
+        """Time one-token steps and passes over 1 + k tokens (each k of CALIBRATED_DRAFTS up
+        to ``max_draft``, and ``max_draft``) on ``slot`` of an empty cache: the fastest of
+        a few rounds after an untimed one (a slower one met other work). The slot is left
+        empty. Logs what it found."""
+        ks = sorted({k for k in CALIBRATED_DRAFTS if k < max_draft} | {max_draft})
+        vocab = max(backend.tokenizer.n_vocab, 2)
+        prompt = [(7 + 13 * i) % vocab for i in range(_CALIBRATION_PROMPT)]
+        began = time.perf_counter()
+        steps: list[float] = []
+        passes: dict[int, list[float]] = {k: [] for k in ks}
+        slotted = _Slot(backend, slot)
+        try:
+            slotted.prefill(prompt)
+            for r in range(_CALIBRATION_ROUNDS + 1):
+                token = prompt[r % len(prompt)]
+                timed = _timed(lambda token=token: slotted.decode(token))
+                if r:
+                    steps.append(timed)
+                for k in ks:
+                    timed = _timed(lambda k=k: slotted.forward(prompt[: k + 1]))
+                    if r:
+                        passes[k].append(timed)
+        finally:
+            slotted.rewind(0)
+        self.step_s = min(steps)
+        self.pass_s.update({k: min(v) for k, v in passes.items()})
+        logger.info(
+            "speculative decoding: a pass over 1 + k tokens costs %s one-token steps of "
+            "%.1f ms (timed at load in %.0f ms)",
+            ", ".join(f"{self.ratio(k):.2f} (k={k})" for k in ks),
+            self.step_s * 1000,
+            (time.perf_counter() - began) * 1000,
+        )
+
+
+class _Slot:
+    """One slot of a backend: its methods with the slot given where the backend takes one
+    (a backend of many slots), rewound to the prompt after each timed pass."""
+
+    def __init__(self, backend: Backend, slot: int) -> None:
+        self._backend, self._slot = backend, slot
+        self._slots = getattr(backend, "n_slots", 1) > 1 or slot != 0
+        self._base = 0
+
+    def _call(self, name: str, *args: object) -> object:
+        method = getattr(self._backend, name)
+        return method(*args, self._slot) if self._slots else method(*args)
+
+    def prefill(self, ids: list[int]) -> None:
+        self._call("rewind", 0)
+        self._call("prefill", ids)
+        self._base = len(ids)
+
+    def decode(self, token: int) -> None:
+        self._call("decode", token)
+        self._call("rewind", self._base)
+
+    def forward(self, ids: list[int]) -> None:
+        self._call("forward", ids)
+        self._call("rewind", self._base)
+
+    def rewind(self, n: int) -> None:
+        self._call("rewind", n)
+
+
+def _timed(run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start

@@ -1,0 +1,87 @@
+"""A model's pass costs (edgeinfer.generation.pass_costs): timed at load when its requests
+speculate by default, interpolated between the k that were timed, the cache left empty."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import edgeinfer
+from edgeinfer.generation.pass_costs import PassCosts
+from edgeinfer.generation.speculative import parse_speculative
+from edgeinfer.model import Model
+
+from . import ggufgen
+from .test_speculative import PROMPTS, CopyingBackend
+
+
+def test_a_pass_never_timed_is_interpolated_between_the_nearest_timed_ones() -> None:
+    costs = PassCosts(step_s=0.010, pass_s={1: 0.012, 4: 0.018, 8: 0.026})
+    assert costs.ratio(1) == pytest.approx(1.2)
+    assert costs.ratio(2) == pytest.approx(1.4)  # a third of the way from k=1 to k=4
+    assert costs.ratio(6) == pytest.approx(2.2)
+    assert costs.ratio(12) == pytest.approx(3.4)  # beyond k=8: along the last slope
+    below = PassCosts(step_s=0.010, pass_s={4: 0.018})
+    assert below.ratio(2) == pytest.approx(1.4)  # towards a step at k=0
+    assert PassCosts().ratio(4) == pytest.approx(2.0)  # nothing timed: the guess
+    assert PassCosts(step_s=0.010, pass_s={1: 0.002}).ratio(1) == 1.0  # never below a step
+
+
+class _Counting(CopyingBackend):
+    """The copying fake, counting its one-token steps and passes by length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lengths: list[int] = []
+
+    def forward(self, token_ids):  # type: ignore[no-untyped-def]
+        self.lengths.append(len(token_ids))
+        return super().forward(token_ids)
+
+
+@pytest.mark.parametrize(("setting", "timed"), [("auto", {1, 4, 8}), ("lookup:3", {1, 3}),
+                                                ("lookup:12", {1, 4, 12})])  # fmt: skip
+def test_a_model_that_speculates_times_its_passes_at_load_and_leaves_its_cache_empty(
+    setting: str, timed: set[int]
+) -> None:
+    backend = _Counting()
+    model = Model(backend, name="c", path=Path("c"), model_format="fake",
+                  speculative=parse_speculative(setting))  # fmt: skip
+    assert set(model._costs.pass_s) == timed
+    assert model._costs.step_s > 0
+    assert {n - 1 for n in backend.lengths} == timed
+    assert backend.cache == []  # the slot is as load() left it
+
+
+def test_a_model_that_does_not_speculate_times_nothing() -> None:
+    backend = _Counting()
+    model = Model(backend, name="c", path=Path("c"), model_format="fake")
+    assert model._costs.step_s == 0 and not model._costs.pass_s and backend.passes == 0
+
+
+@pytest.fixture(scope="module", params=["llama.cpp", "onnxruntime"])
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    gguf = ggufgen.tiny_llama(seed=5).write(tmp_path_factory.mktemp("costs") / "tiny.gguf")
+    if request.param == "llama.cpp":
+        return gguf
+    from edgeinfer.cli import main as cli_main
+
+    out = tmp_path_factory.mktemp("costs-onnx") / "native"
+    assert cli_main(["convert", str(gguf), "-o", str(out), "--threads", "1"]) == 0
+    return out
+
+
+def test_timing_at_load_changes_no_token_on_a_real_engine(tiny: Path) -> None:
+    """The passes timed at load leave nothing behind: plain decoding of a model loaded with
+    "auto" gives the tokens of one loaded with "off", and so does "auto" itself."""
+    with edgeinfer.load(tiny, speculative="auto", threads=1, context_length=256) as timed:
+        assert set(timed._costs.pass_s) == {1, 4, 8} and timed._costs.step_s > 0
+        assert timed._backend.n_past == 0
+        got = [timed.generate(p * 2, max_new_tokens=24, temperature=0, speculative=s).token_ids
+               for p in PROMPTS[:4] for s in ("off", "auto")]  # fmt: skip
+    with edgeinfer.load(tiny, threads=1, context_length=256) as plain:
+        assert plain._costs.step_s == 0
+        want = [plain.generate(p * 2, max_new_tokens=24, temperature=0, speculative=s).token_ids
+                for p in PROMPTS[:4] for s in ("off", "auto")]  # fmt: skip
+    assert got == want
