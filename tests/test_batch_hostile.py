@@ -28,6 +28,7 @@ from edgeinfer.batch.records import (
 )
 from edgeinfer.errors import InvalidRequestError
 from edgeinfer.generation.sampling import SamplingConfig
+from edgeinfer.generation.speculative import parse_speculative
 
 BASE = SamplingConfig()
 FIXTURE = [HealthCheck.function_scoped_fixture]
@@ -44,6 +45,7 @@ FIELDS = [
     "stop",
     "logit_bias",
     "response_format",
+    "speculative",
     "metadata",
     "other",
 ]
@@ -88,6 +90,29 @@ def test_any_object_makes_a_row(obj: dict) -> None:
     row = parse_object(obj, 3, BASE)
     check_row(row)
     check_row(parse_line(json.dumps(obj).encode(), 3, BASE))
+
+
+SETTINGS = st.sampled_from(
+    ["off", "auto", "lookup", "lookup:4", "lookup:0", "lookup:17", "draft:m", "draft:m:2",
+     "draft:", "sometimes", "", "x" * 10_240]
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(SETTINGS | values)
+def test_any_speculative_value_is_the_rows_setting_or_its_error(value: object) -> None:
+    """A row's ``speculative`` is read by the one parser the server and load() use: what it
+    takes is the row's setting (null: the job's), what it refuses is that row's error."""
+    row = parse_object({"id": "s", "prompt": "x", "speculative": value}, 1, BASE)
+    check_row(row)
+    try:
+        expected = None if value is None else parse_speculative(value)
+    except InvalidRequestError as exc:
+        assert row.error == {"type": "InvalidRequestError", "message": str(exc)}
+        assert len(row.error["message"]) < 1000 and row.id == "s"
+        return
+    assert row.error is None and row.request is not None
+    assert row.request.config.speculative == expected
 
 
 @settings(max_examples=100, deadline=None)

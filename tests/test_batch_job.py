@@ -116,6 +116,8 @@ def test_records_in_input_order_match_generate(tiny: Path, tmp_path: Path) -> No
             assert rec["usage"] == {
                 "prompt_tokens": ref.stats.prompt_tokens,
                 "completion_tokens": ref.stats.completion_tokens,
+                "draft_tokens": 0,  # speculative decoding off: nothing drafted
+                "accepted_tokens": 0,
             }
 
 

@@ -29,12 +29,13 @@ from hypothesis import strategies as st  # noqa: E402
 
 from .test_serve import CONTEXT, Server, _start  # noqa: E402
 from .test_serve_hostile import _nested, cases, json_value  # noqa: E402
+from .test_serve_speculative import SETTINGS, runs, sendable  # noqa: E402
 
 FIELDS = (
     "model input instructions previous_response_id tools tool_choice parallel_tool_calls text "
     "max_output_tokens temperature top_p seed logit_bias stream store metadata user include "
     "reasoning truncation background conversation prompt top_logprobs max_tool_calls "
-    "service_tier stream_options"
+    "service_tier stream_options speculative"
 ).split()
 BAN_EOS = {"2": -100}
 TOOL = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
@@ -92,6 +93,7 @@ def bodies(draw: Any) -> dict[str, Any]:
             "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function"}])
             | st.just({"type": "function", "name": "f"})
             | json_value,
+            "speculative": SETTINGS | json_value,
         }.get(key, json_value | st.sampled_from([2**63, 10**30, -1, 0, 1.5]))
         body[key] = draw(strategy)
     if not isinstance(body.get("max_output_tokens"), int) or body["max_output_tokens"] > 4:
@@ -165,6 +167,24 @@ def test_any_body_is_a_response_or_an_openai_error_never_a_500(app: Any, body: A
     error = _is_error(r, 400, 404)
     if r.status_code == 400 and error["code"] != "invalid_json":
         assert (error["param"] or "").split("[")[0].split(".")[0] in FIELDS, error
+
+
+@cases(100)
+@given(value=SETTINGS | json_value)
+def test_any_speculative_value_is_a_response_or_a_400_naming_it(app: Any, value: Any) -> None:
+    """The field as chat completions read it: what the model runs answers, anything else is
+    a 400 naming ``speculative`` (a body that is not strict JSON: a 400 of its own)."""
+    body = {"input": "Hi", "max_output_tokens": 2, "logit_bias": BAN_EOS, "speculative": value}
+    r = app.post("/v1/responses", content=json.dumps(body).encode(),
+                 headers={"content-type": "application/json"})  # fmt: skip
+    if not sendable(value):
+        _is_error(r, 400)
+    elif runs(value):
+        assert r.status_code == 200, r.text[:500]
+        assert r.json()["status"] in ("completed", "incomplete")
+    else:
+        error = _is_error(r, 400)
+        assert error["param"] == "speculative" and error["code"] == "invalid_value", error
 
 
 unholdable = st.one_of(

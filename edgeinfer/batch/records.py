@@ -6,7 +6,11 @@ is checked here, in one place; a line that fails becomes an error record, never 
 The output is JSON Lines, one record per input row::
 
     {"id": ..., "text": ..., "finish_reason": ..., "usage": {"prompt_tokens": ...,
-     "completion_tokens": ...}, "parsed": ..., "error": null | {"type": ..., "message": ...}}
+     "completion_tokens": ..., "draft_tokens": ..., "accepted_tokens": ...}, "parsed": ...,
+     "error": null | {"type": ..., "message": ...}}
+
+``draft_tokens`` and ``accepted_tokens`` are speculative decoding's (``GenerationStats``): the
+tokens drafted for the row, and of those the ones kept; both 0 when it did not draft.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ _SAMPLING_FIELDS = (
     "stop",
     "logit_bias",
     "response_format",
+    "speculative",  # parsed by SamplingConfig as the server parses it; a bad one: the row's error
 )
 _KNOWN = frozenset(("id", "prompt", "messages", "metadata", *_LENGTH_FIELDS, *_SAMPLING_FIELDS))
 
@@ -233,6 +238,8 @@ def result_record(row_id: str | int, result: Any) -> dict[str, Any]:
         "usage": {
             "prompt_tokens": result.stats.prompt_tokens,
             "completion_tokens": result.stats.completion_tokens,
+            "draft_tokens": result.stats.draft_tokens,
+            "accepted_tokens": result.stats.accepted_tokens,
         },
         "parsed": result.parsed,
         "error": None,

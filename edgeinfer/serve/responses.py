@@ -14,7 +14,9 @@ then ``Model.chat`` with its tools and structured output); nothing here generate
   ``parallel_tool_calls``;
 - ``text.format``: ``text``, ``json_object`` or ``json_schema`` (``name``, ``schema``), and
   edgeinfer's other response_format kinds as they are;
-- ``max_output_tokens``, ``temperature``, ``top_p``; edgeinfer's ``seed`` and ``logit_bias``.
+- ``max_output_tokens``, ``temperature``, ``top_p``; edgeinfer's ``seed``, ``logit_bias`` and
+  ``speculative`` (read and checked as chat completions read them: a bad value is a 400 naming
+  ``speculative``).
 
 Fields that would change what OpenAI returns and that edgeinfer does not do (``background``,
 ``conversation``, ``prompt``, ``truncation: "auto"``, ``top_logprobs``, ``max_tool_calls``,
@@ -44,7 +46,8 @@ _REFUSED: dict[str, tuple[Any, ...]] = {
     "top_logprobs": (None, 0),
     "max_tool_calls": (None,),
 }
-_SAMPLING = ("temperature", "top_p", "seed", "logit_bias")
+# carried into the chat request as they are, and checked there as chat completions check them
+_SAMPLING = ("temperature", "top_p", "seed", "logit_bias", "speculative")
 _MAX_METADATA = 16
 
 
