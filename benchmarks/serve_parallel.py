@@ -16,12 +16,17 @@ slot's cache. Round 0 is each server's first burst after its start: kept apart
 ("first_burst", with its ratio to the later rounds' median), left out of the medians and
 min-max of the later rounds.
 
+With --speculative MODE, a second edgeinfer server answers with ``--speculative MODE`` (the
+default of requests that set none), in the same rounds: what speculation does to a server's
+throughput at N streams.
+
 With --peer-server, llama.cpp's own server (built from the llama.cpp that llama-cpp-python
 vendors) serves the same GGUF with -np N and the same per-slot context and threads, in the
 same rounds, one server at a time.
 
     python benchmarks/serve_parallel.py [--parallel 1,8] [--clients 8] [-n 64] [--rounds 3]
-        [--threads 2] [--peer-server LLAMA_SERVER] [--out benchmarks/results/serve_parallel.json]
+        [--threads 2] [--speculative MODE] [--peer-server LLAMA_SERVER]
+        [--out benchmarks/results/serve_parallel.json]
 """
 
 from __future__ import annotations
@@ -55,12 +60,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start(model: str, parallel: int, threads: int, context: int) -> tuple[Any, str, list[str]]:
+def _start(
+    model: str, parallel: int, threads: int, context: int, extra: tuple[str, ...] = ()
+) -> tuple[Any, str, list[str]]:
     """``edgeinfer serve --parallel N`` answering /health: (process, base URL, its log)."""
     port = _free_port()
     argv = [sys.executable, "-m", "edgeinfer.cli", "serve", model, "--port", str(port),
             "--threads", str(threads), "--context-length", str(context),
-            "--parallel", str(parallel), "--max-queue", "64"]  # fmt: skip
+            "--parallel", str(parallel), "--max-queue", "64", *extra]  # fmt: skip
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env={**os.environ})
     return _serving(proc, port)
 
@@ -225,6 +232,12 @@ def main() -> int:
         "in the same rounds",
     )
     parser.add_argument(
+        "--speculative",
+        metavar="MODE",
+        help="also run edgeinfer serve --speculative MODE (its requests' default), in the "
+        "same rounds",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "serve_parallel.json"
     )
     args = parser.parse_args()
@@ -237,6 +250,12 @@ def main() -> int:
         ("edgeinfer", p): _start(catalog.DEFAULT_MODEL, p, args.threads, args.context_length)
         for p in levels
     }
+    if args.speculative:
+        extra = ("--speculative", args.speculative)
+        for p in levels:
+            servers[f"edgeinfer --speculative {args.speculative}", p] = _start(
+                catalog.DEFAULT_MODEL, p, args.threads, args.context_length, extra
+            )
     if args.peer_server:
         gguf = str(catalog.fetch(catalog.DEFAULT_MODEL))
         for p in levels:
@@ -281,8 +300,8 @@ def _rounds(servers: dict[Label, Any], args: argparse.Namespace) -> tuple[Any, A
     joins: dict[Label, list[dict[str, float]]] = {k: [] for k in servers}
     try:
         for r in range(args.rounds + 1):
-            for (name, p), (_, url, _) in servers.items():
-                tag = f"r{r}p{p}{name[0]}"
+            for i, ((name, p), (_, url, _)) in enumerate(servers.items()):
+                tag = f"r{r}p{p}s{i}"
                 burst = _burst(url, args.clients, args.n, tag)
                 join = _join(url, args.clients, args.n, tag) if p > 1 else None
                 if r == 0:

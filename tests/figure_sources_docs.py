@@ -11,6 +11,7 @@ from tests.figure_values import (
     lo,
     matched,
     results,
+    total,
     under,
 )
 from tests.figures import (
@@ -35,6 +36,8 @@ from tests.figures import (
 MEM = "docs/memory.md"
 CONV = "docs/converting.md"
 GGUF = results("memory-gguf.json")
+BUDGETS = results("memory-budgets.json")
+CTX256 = results("memory-context256-gguf.json")
 INT8 = results("memory-onnx-int8.json")
 TRIM = results("onnx_memory_trim.json")
 KV16 = results("onnx_memory_kv16.json")
@@ -74,10 +77,14 @@ def _auto15(f: Any, route: str, task: str) -> Expr:
 
 PEER_ONNX = results("llama_cpp_speculative_onnx.json")
 LONE = results("lone_steps.json")
+LONE8 = results("lone_steps_8.json")
+FIRST_BURST = results("first_burst.json")
 PAR_SPEC = results("parallel_speculative.json")
 PEER_SERVE = results("serve_parallel_peer.json")
 BATCHED = results("llama_batched.json")
 PEER15 = results("llama_cpp_speculative_1.5b.json")
+NOISE = results("verify_noise.json")
+SERVE_SPEC = results("serve_parallel_speculative.json")
 STEP = results("step_overhead.json")
 OG = results("bench-parallel-og.json")
 OPS = results("onnx_op_profile.json")
@@ -95,6 +102,25 @@ _STEP_ONNX, _STEP_LLAMA = under(STEP, "routes", 0), under(STEP, "routes", 1)
 _DRAFT = "edgeinfer draft:qwen2.5-coder-0.5b-instruct"
 
 
+def _requests_parted(route: str, setting: str) -> Expr:
+    """Requests of one route and setting whose greedy tokens parted from plain decoding's."""
+    tasks = [under(SPECULATIVE, "summary", route, f"{t}/{setting}") for t in SPEC_TASKS]
+    return total(each(*[t("requests") * (1 - t("identical_to_plain")) for t in tasks]))
+
+
+def _largest_margin() -> Expr:
+    """The largest plain-decoding margin (either sign) at any parting, over every route."""
+    margins = each(
+        *[
+            SPECULATIVE("summary", r, f"{t}/{s}", "divergence_margins", "*")
+            for r in ("gguf", "onnx")
+            for t in SPEC_TASKS
+            for s in ("lookup", "auto")
+        ]
+    )
+    return hi(each(hi(margins), 0 - lo(margins)))
+
+
 def _draft_over_plain(task: str) -> Expr:
     """The draft model's median decode rate over plain decoding's, on one task."""
     return PEER15("summary", task, _DRAFT) / PEER15("summary", task, "edgeinfer off")
@@ -103,6 +129,12 @@ def _draft_over_plain(task: str) -> Expr:
 _EI8, _LS8 = under(PEER_SERVE, "parallel", "8"), under(PEER_SERVE, "llama-server", "8")
 
 A_SETTING = "a setting"
+
+
+def _later_bursts() -> Any:
+    """Every burst after the first of every run of benchmarks/first_burst.py."""
+    runs = [(c, r) for c in ("512", "2048") for r in range(3)]
+    return each(*[FIRST_BURST("runs", c, r, "bursts_tok_s", i) for c, r in runs for i in (1, 2, 3)])
 
 
 def _plan_row(f, i: int, budget) -> list:
@@ -221,6 +253,91 @@ def _peer_row(task: str, peer: Any = PEER) -> list[Src]:
 
 
 DOCS_SPECS: list[Spec] = [
+    spec(
+        "docs/speculative.md",
+        "- Through the server: `python benchmarks/serve_parallel.py --parallel 8",
+        tps(SERVE_SPEC("edgeinfer --speculative auto", "8", "aggregate_tok_s", "median")),
+        tps(SERVE_SPEC("parallel", "8", "aggregate_tok_s", "median")),
+        tps(SERVE_SPEC("edgeinfer --speculative auto", "8", "first_burst", "aggregate_tok_s")),
+        tps(SERVE_SPEC("parallel", "8", "first_burst", "aggregate_tok_s")),
+        load(SERVE_SPEC("conditions", "load_before", 0)),
+        load(SERVE_SPEC("conditions", "load_after", 0)),
+    ),
+    spec(
+        "docs/speculative.md",
+        "Greedy replies part from plain decoding's in many requests",
+        bare(_largest_margin()),
+    ),
+    spec(
+        "docs/speculative.md",
+        "How large that noise is: `python benchmarks/verify_noise.py`",
+        bare(NOISE("routes", 0, "max_diff", "median")),
+        bare(NOISE("routes", 0, "max_diff", "max")),
+        bare(NOISE("routes", 0, "margin_moved", "max")),
+        bare(NOISE("routes", 0, "margin_moved", "p99")),
+        bare(NOISE("routes", 1, "max_diff", "median")),
+        bare(NOISE("routes", 1, "max_diff", "max")),
+        bare(NOISE("routes", 1, "margin_moved", "max")),
+        bare(NOISE("routes", 1, "margin_moved", "p99")),
+        bare(hi(NOISE("routes", 0, "margins_where_it_differs", "*"))),
+        bare(hi(NOISE("routes", 1, "margins_where_it_differs", "*"))),
+    ),
+    spec(
+        "docs/speculative.md",
+        "| target | measured | results file | met |",
+        times(
+            hi(
+                each(
+                    *[
+                        SPECULATIVE("summary", "onnx", f"{t}/{s}", "decode_ratio_median")
+                        for t in ("summarize", "rewrite", "edit")
+                        for s in ("lookup", "auto")
+                    ]
+                )
+            )
+        ),
+        times(
+            hi(
+                each(
+                    *[
+                        SPECULATIVE("summary", "gguf", f"{t}/{s}", "decode_ratio_median")
+                        for t in ("summarize", "rewrite", "edit")
+                        for s in ("lookup", "auto")
+                    ]
+                )
+            )
+        ),
+        _spec_ratio("onnx", "extract", "auto"),
+        _spec_ratio("gguf", "extract", "auto"),
+        _spec_ratio("gguf", "chat", "auto"),
+        _spec_ratio("onnx", "chat", "auto"),
+        times(lo(each(*[_draft_over_plain(t) for t in SPEC_TASKS]))),
+        times(hi(each(*[_draft_over_plain(t) for t in SPEC_TASKS]))),
+        times(_draft_over_plain("chat")),
+        times(lo(each(*[PEER_ONNX("summary", t, "auto / ngram-simple") for t in SPEC_TASKS[:4]]))),
+        times(hi(each(*[PEER_ONNX("summary", t, "auto / ngram-simple") for t in SPEC_TASKS[:4]]))),
+        times(PEER_ONNX("summary", "chat", "auto / ngram-simple")),
+        times(lo(each(*[PEER("summary", t, "auto / ngram-simple") for t in SPEC_TASKS]))),
+        times(hi(each(*[PEER("summary", t, "auto / ngram-simple") for t in SPEC_TASKS]))),
+        times(
+            lo(each(*[PEER15("summary", t, f"{_DRAFT[10:]} / draft-simple") for t in SPEC_TASKS]))
+        ),
+        times(
+            hi(each(*[PEER15("summary", t, f"{_DRAFT[10:]} / draft-simple") for t in SPEC_TASKS]))
+        ),
+        times(lo(each(*[PEER15("summary", t, "auto / ngram-simple") for t in SPEC_TASKS]))),
+        times(hi(each(*[PEER15("summary", t, "auto / ngram-simple") for t in SPEC_TASKS]))),
+    ),
+    spec(
+        "docs/speculative.md",
+        "- **On two cores the 0.5B draft's step is a large share of the 1.5B's**",
+        given("1.3x", A_TARGET),
+    ),
+    spec(
+        "docs/speculative.md",
+        "- **On the 135M default model the drafts are kept seldom**",
+        given("2x", A_TARGET),
+    ),
     spec(
         "docs/speculative.md",
         "| task (ONNX route) | edgeinfer plain | edgeinfer `auto` |",
@@ -450,10 +567,15 @@ DOCS_SPECS: list[Spec] = [
     spec(
         "docs/many-requests.md",
         "A batch job against a loop of `chat()` on the same route",
-        sec(BATCH_JOB("rounds", 0, "batch_job_s")),
-        sec(BATCH_JOB("rounds", 0, "loop_job_s")),
+        sec(lo(BATCH_JOB("rounds", "*", "batch_job_s"))),
+        sec(hi(BATCH_JOB("rounds", "*", "batch_job_s"))),
+        sec(lo(BATCH_JOB("rounds", "*", "loop_job_s"))),
+        sec(hi(BATCH_JOB("rounds", "*", "loop_job_s"))),
         times(BATCH_JOB("median_speedup")),
-        frac_pct(BATCH_JOB("rounds", 0, "labels_same")),
+        times(lo(BATCH_JOB("rounds", "*", "speedup"))),
+        times(hi(BATCH_JOB("rounds", "*", "speedup"))),
+        frac_pct(lo(BATCH_JOB("rounds", "*", "labels_same"))),
+        given("1.30x", "an earlier single round of the same job, replaced by this file"),
         given("4x", "a target"),
         tps(PREFILL_RATE("lengths", 2, "prefill_tok_s")),
         tps(PREFILL_RATE("lengths", 6, "prefill_tok_s")),
@@ -464,6 +586,31 @@ DOCS_SPECS: list[Spec] = [
         "The price of pairing, for one stream",
         times(LONE("results", 0, "paired_over_alone_median")),
         times(LONE("results", 1, "paired_over_alone_median")),
+    ),
+    spec(
+        "docs/many-requests.md",
+        "The price of pairing at 8 streams",
+        tps(LONE8("results", 0, "paired_median_tok_s")),
+        tps(LONE8("results", 0, "alone_median_tok_s")),
+        times(LONE8("results", 0, "paired_over_alone_median")),
+        times(LONE8("results", 0, "paired_over_alone_range", 0)),
+        times(LONE8("results", 0, "paired_over_alone_range", 1)),
+        given("5%", "the many-requests issue's budget for batch invariance"),
+    ),
+    spec(
+        "docs/many-requests.md",
+        "No cold shapes: `python benchmarks/first_burst.py",
+        load(FIRST_BURST("conditions", "load_before", 0)),
+        tps(FIRST_BURST("summary", "512", "first_burst_tok_s")),
+        tps(FIRST_BURST("summary", "512", "later_tok_s")),
+        times(FIRST_BURST("summary", "512", "first_over_later")),
+        tps(FIRST_BURST("summary", "2048", "first_burst_tok_s")),
+        tps(FIRST_BURST("summary", "2048", "later_tok_s")),
+        times(FIRST_BURST("summary", "2048", "first_over_later")),
+        tps(lo(_later_bursts())),
+        tps(hi(_later_bursts())),
+        times(FIRST_BURST("summary", "512", "first_ttft_over_later")),
+        times(FIRST_BURST("summary", "2048", "first_ttft_over_later")),
     ),
     spec(
         "docs/performance.md",
@@ -495,6 +642,37 @@ DOCS_SPECS: list[Spec] = [
         _plan_row(INT8, 1, mb_bytes),
         _plan_row(INT8, 2, gb_bytes),
         _plan_row(INT8, 3, gb_bytes),
+    ),
+    spec(
+        MEM,
+        "With the route rule, the default model by its catalog name",
+        load(BUDGETS("conditions", "load_before", 0)),
+    ),
+    spec(
+        MEM,
+        "| budget | route | context | at load | planned | peak RSS |",
+        mb(matched(BUDGETS("cases", 0, "error"), r"needs (\d+) MB")),
+        given("256", "the least context a plan offers (plan.MIN_CONTEXT)"),
+        mb(matched(BUDGETS("cases", 1, "route", "route", "why"), r"needs (\d+) MB")),
+        bare(BUDGETS("cases", 1, "context_length")),
+        mb_bytes(BUDGETS("cases", 1, "plan", "loaded")),
+        mb_bytes(BUDGETS("cases", 1, "planned")),
+        mb_bytes(BUDGETS("cases", 1, "peak_rss")),
+        bare(BUDGETS("cases", 2, "context_length")),
+        mb_bytes(BUDGETS("cases", 2, "plan", "loaded")),
+        mb_bytes(BUDGETS("cases", 2, "planned")),
+        mb_bytes(BUDGETS("cases", 2, "peak_rss")),
+    ),
+    spec(
+        MEM,
+        "256 MB and 512 MB hold their peak under the budget; 192 MB does not load",
+        given("256 MB", "a budget of the table above"),
+        given("512 MB", "a budget of the table above"),
+        given("192 MB", "a budget of the table above"),
+        mb_bytes(CTX256("cases", 0, "peak_rss")),
+        load(CTX256("conditions", "load_before", 0)),
+        given("192 MB", "a budget of the table above"),
+        mb_bytes(CTX256("cases", 0, "planned")),
     ),
     spec(
         MEM,

@@ -3,6 +3,8 @@ speculate by default, interpolated between the k that were timed, the cache left
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,3 +87,24 @@ def test_timing_at_load_changes_no_token_on_a_real_engine(tiny: Path) -> None:
         want = [plain.generate(p * 2, max_new_tokens=24, temperature=0, speculative=s).token_ids
                 for p in PROMPTS[:4] for s in ("off", "auto")]  # fmt: skip
     assert got == want
+
+
+def test_chat_on_the_command_line_speculates_and_says_so(tmp_path: Path) -> None:
+    """``edgeinfer chat --speculative lookup``: the replies of plain decoding, and /stats
+    says how many tokens were drafted and kept."""
+    from .test_serve_speculative import write_tiny
+
+    model = write_tiny(tmp_path / "t.gguf")
+    script = "the cat sat on the mat. the cat sat on the mat. the cat sat\n/stats\n/exit\n"
+    base = [sys.executable, "-m", "edgeinfer", "chat", str(model), "--temperature", "0",
+            "-n", "24", "--threads", "1"]  # fmt: skip
+
+    def chat(*extra: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([*base, *extra], input=script, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done
+
+    plain, fast = chat(), chat("--speculative", "lookup")
+    assert fast.stdout == plain.stdout and plain.stdout.strip()
+    assert "drafted" in fast.stderr and "drafted" not in plain.stderr

@@ -225,11 +225,13 @@ def parse_parallel(value: str | int) -> int | str:
 
 
 def format_stats(stats: Any, finish_reason: str) -> str:
+    drafted = getattr(stats, "draft_tokens", 0)
+    speculated = f", drafted {drafted} tok (kept {stats.accepted_tokens})" if drafted else ""
     return (
         f"prompt {stats.prompt_tokens} tok (reused {stats.reused_prompt_tokens}), "
         f"completion {stats.completion_tokens} tok, ttft {stats.ttft_s * 1000:.0f} ms, "
         f"prefill {stats.prefill_tokens_per_s:.0f} tok/s, "
-        f"decode {stats.decode_tokens_per_s:.1f} tok/s, finish {finish_reason}"
+        f"decode {stats.decode_tokens_per_s:.1f} tok/s{speculated}, finish {finish_reason}"
     )
 
 
