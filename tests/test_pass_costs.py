@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import edgeinfer
+from edgeinfer import EdgeInferError
 from edgeinfer.generation.pass_costs import PassCosts
 from edgeinfer.generation.speculative import parse_speculative
 from edgeinfer.model import Model
@@ -54,6 +55,24 @@ def test_a_model_that_speculates_times_its_passes_at_load_and_leaves_its_cache_e
     assert model._costs.step_s > 0
     assert {n - 1 for n in backend.lengths} == timed
     assert backend.cache == []  # the slot is as load() left it
+
+
+class _Refusing(_Counting):
+    """A fake whose passes over several tokens fail as an engine's typed error would."""
+
+    def forward(self, token_ids):  # type: ignore[no-untyped-def]
+        raise EdgeInferError("no passes here")
+
+
+@pytest.mark.parametrize("backend", [CopyingBackend(n_ctx=24), _Refusing()],
+                         ids=["context too short", "passes refused"])  # fmt: skip
+def test_a_model_whose_passes_cannot_be_timed_still_loads_and_learns_them_later(
+    backend: CopyingBackend,
+) -> None:
+    model = Model(backend, name="c", path=Path("c"), model_format="fake",
+                  speculative=parse_speculative("auto"))  # fmt: skip
+    assert model._costs.step_s == 0 and not model._costs.pass_s
+    assert backend.cache == []
 
 
 def test_a_model_that_does_not_speculate_times_nothing() -> None:

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from ..errors import EdgeInferError
+
 if TYPE_CHECKING:
     from ..runtimes.base import Backend
 
@@ -106,6 +108,10 @@ class PassCosts:
         ks = sorted({k for k in CALIBRATED_DRAFTS if k < max_draft} | {max_draft})
         vocab = max(backend.tokenizer.n_vocab, 2)
         prompt = [(7 + 13 * i) % vocab for i in range(_CALIBRATION_PROMPT)]
+        read = [(11 + 17 * i) % vocab for i in range(max_draft + 1)]  # a pass's tokens
+        if backend.n_ctx < len(prompt) + len(read):
+            logger.info("speculative decoding: the context is too short to time passes in")
+            return
         began = time.perf_counter()
         steps: list[float] = []
         passes: dict[int, list[float]] = {k: [] for k in ks}
@@ -113,14 +119,17 @@ class PassCosts:
         try:
             slotted.prefill(prompt)
             for r in range(_CALIBRATION_ROUNDS + 1):
-                token = prompt[r % len(prompt)]
+                token = read[r % len(read)]
                 timed = _timed(lambda token=token: slotted.decode(token))
                 if r:
                     steps.append(timed)
                 for k in ks:
-                    timed = _timed(lambda k=k: slotted.forward(prompt[: k + 1]))
+                    timed = _timed(lambda k=k: slotted.forward(read[: k + 1]))
                     if r:
                         passes[k].append(timed)
+        except EdgeInferError as exc:  # an engine that cannot run them: learned as requests run
+            logger.warning("speculative decoding: passes could not be timed at load: %s", exc)
+            return
         finally:
             slotted.rewind(0)
         self.step_s = min(steps)
