@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,46 +44,72 @@ class _Counting(CopyingBackend):
         return super().forward(token_ids)
 
 
-@pytest.mark.parametrize(("setting", "timed"), [("auto", {1, 4, 8}), ("lookup:3", {1, 3}),
-                                                ("lookup:12", {1, 4, 12})])  # fmt: skip
-def test_a_model_that_speculates_times_its_passes_at_load_and_leaves_its_cache_empty(
-    setting: str, timed: set[int]
-) -> None:
+def _model(backend: CopyingBackend, setting: str | None) -> Model:
+    spec = parse_speculative(setting) if setting else None
+    return Model(backend, name="c", path=Path("c"), model_format="fake", speculative=spec)
+
+
+def test_a_model_that_speculates_adaptively_times_its_passes_at_load_leaving_its_cache_empty() -> (
+    None
+):
     backend = _Counting()
-    model = Model(backend, name="c", path=Path("c"), model_format="fake",
-                  speculative=parse_speculative(setting))  # fmt: skip
-    assert set(model._costs.pass_s) == timed
+    model = _model(backend, "auto")
+    assert set(model._costs.pass_s) == {1, 4, 8}
     assert model._costs.step_s > 0
-    assert {n - 1 for n in backend.lengths} == timed
+    assert {n - 1 for n in backend.lengths} == {1, 4, 8}
     assert backend.cache == []  # the slot is as load() left it
 
 
+@pytest.mark.parametrize("setting", [None, "off", "lookup", "lookup:3"])
+def test_a_setting_that_never_reads_the_costs_times_nothing(setting: str | None) -> None:
+    """Off, or a fixed draft length ("lookup" drafts whatever the costs say)."""
+    backend = _Counting()
+    model = _model(backend, setting)
+    assert model._costs.step_s == 0 and not model._costs.pass_s and backend.passes == 0
+
+
 class _Refusing(_Counting):
-    """A fake whose passes over several tokens fail as an engine's typed error would."""
+    """A fake whose passes over more than ``longest`` tokens fail as an engine's typed error
+    would (a pass longer than it reads at once)."""
+
+    def __init__(self, longest: int = 0) -> None:
+        super().__init__()
+        self.longest = longest
 
     def forward(self, token_ids):  # type: ignore[no-untyped-def]
-        raise EdgeInferError("no passes here")
+        if len(token_ids) > self.longest:
+            raise EdgeInferError("no passes this long here")
+        return super().forward(token_ids)
 
 
-@pytest.mark.parametrize("backend", [CopyingBackend(n_ctx=24), _Refusing()],
-                         ids=["context too short", "passes refused"])  # fmt: skip
-def test_a_model_whose_passes_cannot_be_timed_still_loads_and_learns_them_later(
-    backend: CopyingBackend,
-) -> None:
-    model = Model(backend, name="c", path=Path("c"), model_format="fake",
-                  speculative=parse_speculative("auto"))  # fmt: skip
-    assert model._costs.step_s == 0 and not model._costs.pass_s
+class _Broken(_Counting):
+    """A fake whose passes fail with an error no engine should raise."""
+
+    def forward(self, token_ids):  # type: ignore[no-untyped-def]
+        raise RuntimeError("a bug in an engine")
+
+
+def test_a_pass_the_engine_refuses_is_left_out_and_the_others_are_timed() -> None:
+    backend = _Refusing(longest=5)
+    model = _model(backend, "auto")
+    assert set(model._costs.pass_s) == {1, 4} and model._costs.step_s > 0
     assert backend.cache == []
 
 
-def test_a_model_that_does_not_speculate_times_nothing() -> None:
-    backend = _Counting()
-    model = Model(backend, name="c", path=Path("c"), model_format="fake")
-    assert model._costs.step_s == 0 and not model._costs.pass_s and backend.passes == 0
+@pytest.mark.parametrize("backend", [CopyingBackend(n_ctx=24), _Refusing(), _Broken()],
+                         ids=["context too short", "passes refused", "engine error"])  # fmt: skip
+def test_a_model_whose_passes_cannot_be_timed_still_loads_and_learns_them_later(
+    backend: CopyingBackend,
+) -> None:
+    model = _model(backend, "auto")
+    assert not model._costs.pass_s  # the guess stands in until requests run
+    assert model._costs.ratio(4) == pytest.approx(2.0)
+    assert backend.cache == []
 
 
 @pytest.fixture(scope="module", params=["llama.cpp", "onnxruntime"])
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("llama_cpp" if request.param == "llama.cpp" else "onnxruntime")
     gguf = ggufgen.tiny_llama(seed=5).write(tmp_path_factory.mktemp("costs") / "tiny.gguf")
     if request.param == "llama.cpp":
         return gguf
@@ -93,18 +120,28 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return out
 
 
-def test_timing_at_load_changes_no_token_on_a_real_engine(tiny: Path) -> None:
-    """The passes timed at load leave nothing behind: plain decoding of a model loaded with
-    "auto" gives the tokens of one loaded with "off", and so does "auto" itself."""
-    with edgeinfer.load(tiny, speculative="auto", threads=1, context_length=256) as timed:
+def _replies(model: Any) -> list[tuple[int, ...]]:
+    """Greedy replies with drafting off and with a fixed draft length (which never reads
+    the timed costs, so its drafts, and its tokens, cannot depend on them)."""
+    return [model.generate(p * 2, max_new_tokens=24, temperature=0, speculative=s).token_ids
+            for p in PROMPTS[:4] for s in ("off", "lookup:4")]  # fmt: skip
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_timing_at_load_leaves_nothing_behind_on_a_real_engine(tiny: Path, parallel: int) -> None:
+    """A model loaded with "auto" times its passes in slot 0 and leaves every slot empty;
+    its replies are those of a model loaded without it."""
+    options: dict[str, Any] = {"threads": 1, "context_length": 256, "parallel": parallel}
+    with edgeinfer.load(tiny, speculative="auto", **options) as timed:
         assert set(timed._costs.pass_s) == {1, 4, 8} and timed._costs.step_s > 0
-        assert timed._backend.n_past == 0
-        got = [timed.generate(p * 2, max_new_tokens=24, temperature=0, speculative=s).token_ids
-               for p in PROMPTS[:4] for s in ("off", "auto")]  # fmt: skip
-    with edgeinfer.load(tiny, threads=1, context_length=256) as plain:
+        backend = timed._backend
+        slots = range(parallel)
+        pasts = [backend.slot_past(s) for s in slots] if parallel > 1 else [backend.n_past]
+        assert pasts == [0] * parallel
+        got = _replies(timed)
+    with edgeinfer.load(tiny, **options) as plain:
         assert plain._costs.step_s == 0
-        want = [plain.generate(p * 2, max_new_tokens=24, temperature=0, speculative=s).token_ids
-                for p in PROMPTS[:4] for s in ("off", "auto")]  # fmt: skip
+        want = _replies(plain)
     assert got == want
 
 

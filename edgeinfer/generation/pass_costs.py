@@ -14,7 +14,6 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -41,6 +40,9 @@ class Setting(Protocol):
     @property
     def max_draft(self) -> int: ...
 
+    @property
+    def adaptive(self) -> bool: ...
+
 
 def _prior(k: int) -> float:
     """Seconds of a pass over k + 1 tokens per one-token step, before any is measured: a
@@ -60,10 +62,13 @@ class PassCosts:
     @classmethod
     def at_load(cls, backend: Backend, setting: Setting | None) -> PassCosts:
         """A model's pass costs: timed on ``backend`` now (at load, its cache empty) when its
-        requests speculate by default and it can verify in one pass; else learned as they
-        run (a request that asks for speculation of a model loaded without it)."""
+        requests speculate adaptively by default ("auto", "draft:NAME") and it can verify in
+        one pass; else learned as they run (a request that asks for it of a model loaded
+        without it)."""
         costs = cls()
-        if setting is not None and setting.on and getattr(backend, "multi_position_logits", 0):
+        if setting is None or not (setting.on and setting.adaptive):
+            return costs  # off, or a fixed draft length that never reads the costs
+        if getattr(backend, "multi_position_logits", False):
             costs.calibrate(backend, setting.max_draft)
         return costs
 
@@ -103,8 +108,10 @@ class PassCosts:
     def calibrate(self, backend: Backend, max_draft: int, slot: int = 0) -> None:
         """Time one-token steps and passes over 1 + k tokens (each k of CALIBRATED_DRAFTS up
         to ``max_draft``, and ``max_draft``) on ``slot`` of an empty cache: the fastest of
-        a few rounds after an untimed one (a slower one met other work). The slot is left
-        empty. Logs what it found."""
+        a few rounds after an untimed one (a slower one met other work), the rewinds after
+        them untimed. The slot is left empty. A pass the engine refuses (longer than it
+        reads at once) is left out; anything else that fails leaves the costs to be learned
+        as requests run. Logs what it found."""
         ks = sorted({k for k in CALIBRATED_DRAFTS if k < max_draft} | {max_draft})
         vocab = max(backend.tokenizer.n_vocab, 2)
         prompt = [(7 + 13 * i) % vocab for i in range(_CALIBRATION_PROMPT)]
@@ -113,39 +120,50 @@ class PassCosts:
             logger.info("speculative decoding: the context is too short to time passes in")
             return
         began = time.perf_counter()
-        steps: list[float] = []
-        passes: dict[int, list[float]] = {k: [] for k in ks}
         slotted = _Slot(backend, slot)
         try:
-            slotted.prefill(prompt)
-            for r in range(_CALIBRATION_ROUNDS + 1):
-                token = read[r % len(read)]
-                timed = _timed(lambda token=token: slotted.decode(token))
-                if r:
-                    steps.append(timed)
-                for k in ks:
-                    timed = _timed(lambda k=k: slotted.forward(read[: k + 1]))
-                    if r:
-                        passes[k].append(timed)
-        except EdgeInferError as exc:  # an engine that cannot run them: learned as requests run
+            steps, passes = _timings(slotted, prompt, read, ks)
+        except Exception as exc:  # timing is optional: never the reason a load fails
             logger.warning("speculative decoding: passes could not be timed at load: %s", exc)
             return
         finally:
-            slotted.rewind(0)
+            slotted.empty()
         self.step_s = min(steps)
-        self.pass_s.update({k: min(v) for k, v in passes.items()})
+        self.pass_s.update({k: min(v) for k, v in passes.items() if v})
         logger.info(
             "speculative decoding: a pass over 1 + k tokens costs %s one-token steps of "
             "%.1f ms (timed at load in %.0f ms)",
-            ", ".join(f"{self.ratio(k):.2f} (k={k})" for k in ks),
+            ", ".join(f"{self.ratio(k):.2f} (k={k})" for k in sorted(self.pass_s)),
             self.step_s * 1000,
             (time.perf_counter() - began) * 1000,
         )
 
 
+def _timings(
+    slotted: _Slot, prompt: list[int], read: list[int], ks: list[int]
+) -> tuple[list[float], dict[int, list[float]]]:
+    """Seconds of one-token steps and of passes over 1 + k tokens after ``prompt``."""
+    steps: list[float] = []
+    passes: dict[int, list[float]] = {k: [] for k in ks}
+    slotted.prefill(prompt)
+    for r in range(_CALIBRATION_ROUNDS + 1):
+        timed = slotted.timed("decode", read[r % len(read)])
+        if r:
+            steps.append(timed)
+        for k in [k for k in ks if k in passes]:
+            try:
+                timed = slotted.timed("forward", read[: k + 1])
+            except EdgeInferError:  # longer than the engine reads in one pass
+                del passes[k]
+                continue
+            if r:
+                passes[k].append(timed)
+    return steps, passes
+
+
 class _Slot:
     """One slot of a backend: its methods with the slot given where the backend takes one
-    (a backend of many slots), rewound to the prompt after each timed pass."""
+    (a backend of many slots); a timed call is rewound to the prompt after its timing."""
 
     def __init__(self, backend: Backend, slot: int) -> None:
         self._backend, self._slot = backend, slot
@@ -161,19 +179,19 @@ class _Slot:
         self._call("prefill", ids)
         self._base = len(ids)
 
-    def decode(self, token: int) -> None:
-        self._call("decode", token)
-        self._call("rewind", self._base)
+    def timed(self, name: str, tokens: int | list[int]) -> float:
+        """Seconds of ``name`` (decode or forward) over ``tokens``; then rewound, untimed."""
+        start = time.perf_counter()
+        try:
+            self._call(name, tokens)
+            return time.perf_counter() - start
+        finally:
+            self._call("rewind", self._base)
 
-    def forward(self, ids: list[int]) -> None:
-        self._call("forward", ids)
-        self._call("rewind", self._base)
-
-    def rewind(self, n: int) -> None:
-        self._call("rewind", n)
-
-
-def _timed(run: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
+    def empty(self) -> None:
+        """The slot as load() left it; a backend that cannot even rewind is left to the
+        next request's own rewind (its history is empty), and said so."""
+        try:
+            self._call("rewind", 0)
+        except Exception as exc:
+            logger.warning("speculative decoding: the timed slot could not be emptied: %s", exc)
