@@ -331,7 +331,7 @@ DOCS_SPECS: list[Spec] = [
     spec(
         "docs/speculative.md",
         "- **On two cores the 0.5B draft's step is a large share of the 1.5B's**",
-        given("1.3x", A_TARGET),
+        times(ONNX15("summary", "onnx", f"extract/{_DRAFT[10:]}", "decode_ratio_median")),
     ),
     spec(
         "docs/speculative.md",
@@ -590,6 +590,7 @@ DOCS_SPECS: list[Spec] = [
     spec(
         "docs/many-requests.md",
         "The price of pairing at 8 streams",
+        load(LONE8("conditions", "load_before", 0)),
         tps(LONE8("results", 0, "paired_median_tok_s")),
         tps(LONE8("results", 0, "alone_median_tok_s")),
         times(LONE8("results", 0, "paired_over_alone_median")),
@@ -671,8 +672,9 @@ DOCS_SPECS: list[Spec] = [
         given("192 MB", "a budget of the table above"),
         mb_bytes(CTX256("cases", 0, "peak_rss")),
         load(CTX256("conditions", "load_before", 0)),
-        given("192 MB", "a budget of the table above"),
         mb_bytes(CTX256("cases", 0, "planned")),
+        mb(matched(BUDGETS("cases", 0, "error"), r"needs (\d+) MB")),
+        given("192 MB", "a budget of the table above"),
     ),
     spec(
         MEM,

@@ -114,7 +114,8 @@ def _add_client_flags(p: argparse.ArgumentParser) -> None:
         metavar="MODE",
         help='speculative decoding for requests that do not set their own "speculative" '
         "field: off, auto, lookup, lookup:N or draft:MODEL[:N] (with --parallel N > 1 a "
-        "request drafts while it runs alone; the same tokens, faster) (default: off)",
+        "request drafts while it runs alone; plain decoding's tokens up to the engines' "
+        "noise at near-ties, faster) (default: off)",
     )
     p.add_argument(
         "--any-model-name",
