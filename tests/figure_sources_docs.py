@@ -131,12 +131,6 @@ _EI8, _LS8 = under(PEER_SERVE, "parallel", "8"), under(PEER_SERVE, "llama-server
 A_SETTING = "a setting"
 
 
-def _later_bursts() -> Any:
-    """Every burst after the first of every run of benchmarks/first_burst.py."""
-    runs = [(c, r) for c in ("512", "2048") for r in range(3)]
-    return each(*[FIRST_BURST("runs", c, r, "bursts_tok_s", i) for c, r in runs for i in (1, 2, 3)])
-
-
 def _plan_row(f, i: int, budget) -> list:
     """A row of the memory-plan table: budget, context, batch, at load, planned, peak, error."""
     case = under(f, "cases", i)
@@ -602,16 +596,36 @@ DOCS_SPECS: list[Spec] = [
         "docs/many-requests.md",
         "No cold shapes: `python benchmarks/first_burst.py",
         load(FIRST_BURST("conditions", "load_before", 0)),
-        tps(FIRST_BURST("summary", "512", "first_burst_tok_s")),
-        tps(FIRST_BURST("summary", "512", "later_tok_s")),
-        times(FIRST_BURST("summary", "512", "first_over_later")),
-        tps(FIRST_BURST("summary", "2048", "first_burst_tok_s")),
-        tps(FIRST_BURST("summary", "2048", "later_tok_s")),
-        times(FIRST_BURST("summary", "2048", "first_over_later")),
-        tps(lo(_later_bursts())),
-        tps(hi(_later_bursts())),
-        times(FIRST_BURST("summary", "512", "first_ttft_over_later")),
-        times(FIRST_BURST("summary", "2048", "first_ttft_over_later")),
+        *[
+            f
+            for c in ("512", "2048")
+            for f in (
+                tps(FIRST_BURST("summary", c, "first_burst_tok_s")),
+                tps(FIRST_BURST("summary", c, "later_tok_s")),
+                times(FIRST_BURST("summary", c, "first_over_later")),
+                tps(FIRST_BURST("summary", c, "later_range_tok_s", 0)),
+                tps(FIRST_BURST("summary", c, "later_range_tok_s", 1)),
+            )
+        ],
+        *[
+            f
+            for c in ("512", "2048")
+            for f in (
+                ms(FIRST_BURST("summary", c, "first_ttft_s") * 1000),
+                ms(FIRST_BURST("summary", c, "later_ttft_s") * 1000),
+                times(FIRST_BURST("summary", c, "first_ttft_over_later")),
+            )
+        ],
+        *[
+            ms(
+                (
+                    FIRST_BURST("summary", c, "first_ttft_s")
+                    - FIRST_BURST("summary", c, "later_ttft_s")
+                )
+                * 1000
+            )
+            for c in ("512", "2048")
+        ],
     ),
     spec(
         "docs/performance.md",
