@@ -16,8 +16,8 @@ from edgeinfer.generation.pass_costs import PassCosts
 from edgeinfer.generation.speculative import parse_speculative
 from edgeinfer.model import Model
 
-from . import ggufgen
 from .test_speculative import PROMPTS, CopyingBackend
+from .test_speculative_real import CTX, model_path, tiny_gguf  # noqa: F401 (fixtures: both engines)
 
 
 def test_a_pass_never_timed_is_interpolated_between_the_nearest_timed_ones() -> None:
@@ -107,19 +107,6 @@ def test_a_model_whose_passes_cannot_be_timed_still_loads_and_learns_them_later(
     assert backend.cache == []
 
 
-@pytest.fixture(scope="module", params=["llama.cpp", "onnxruntime"])
-def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("llama_cpp" if request.param == "llama.cpp" else "onnxruntime")
-    gguf = ggufgen.tiny_llama(seed=5).write(tmp_path_factory.mktemp("costs") / "tiny.gguf")
-    if request.param == "llama.cpp":
-        return gguf
-    from edgeinfer.cli import main as cli_main
-
-    out = tmp_path_factory.mktemp("costs-onnx") / "native"
-    assert cli_main(["convert", str(gguf), "-o", str(out), "--threads", "1"]) == 0
-    return out
-
-
 def _replies(model: Any) -> list[tuple[int, ...]]:
     """Greedy replies with drafting off and with a fixed draft length (which never reads
     the timed costs, so its drafts, and its tokens, cannot depend on them)."""
@@ -128,18 +115,21 @@ def _replies(model: Any) -> list[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("parallel", [1, 2])
-def test_timing_at_load_leaves_nothing_behind_on_a_real_engine(tiny: Path, parallel: int) -> None:
+def test_timing_at_load_leaves_nothing_behind_on_a_real_engine(
+    model_path: Path,  # noqa: F811 (the fixture imported above: both engines)
+    parallel: int,
+) -> None:
     """A model loaded with "auto" times its passes in slot 0 and leaves every slot empty;
     its replies are those of a model loaded without it."""
-    options: dict[str, Any] = {"threads": 1, "context_length": 256, "parallel": parallel}
-    with edgeinfer.load(tiny, speculative="auto", **options) as timed:
+    options: dict[str, Any] = {"threads": 1, "context_length": CTX, "parallel": parallel}
+    with edgeinfer.load(model_path, speculative="auto", **options) as timed:
         assert set(timed._costs.pass_s) == {1, 4, 8} and timed._costs.step_s > 0
         backend = timed._backend
         slots = range(parallel)
         pasts = [backend.slot_past(s) for s in slots] if parallel > 1 else [backend.n_past]
         assert pasts == [0] * parallel
         got = _replies(timed)
-    with edgeinfer.load(tiny, **options) as plain:
+    with edgeinfer.load(model_path, **options) as plain:
         assert plain._costs.step_s == 0
         want = _replies(plain)
     assert got == want

@@ -4,7 +4,8 @@ Speculative decoding drafts only while the drafts it expects to keep pay for the
 (``speculative.DraftBudget``), so it needs a pass over 1 + k tokens in one-token steps, on this
 machine, for this model and engine: on onnxruntime a pass over 9 tokens may cost 3 steps, on
 llama.cpp's CPU kernels 7. ``PassCosts.calibrate`` times them on the model itself when it is
-loaded with speculation on (a few passes on an empty cache, which it leaves empty), and every
+loaded with a setting that reads them ("auto", "draft:NAME": a few passes on an empty cache,
+which it leaves empty), and every
 step and pass that runs afterwards refines them (a moving average). A k never timed is
 interpolated between the nearest two that were; before anything is timed a guess stands in.
 """
@@ -150,7 +151,7 @@ def _timings(
         timed = slotted.timed("decode", read[r % len(read)])
         if r:
             steps.append(timed)
-        for k in [k for k in ks if k in passes]:
+        for k in list(passes):  # a pass the engine refused is gone from it
             try:
                 timed = slotted.timed("forward", read[: k + 1])
             except EdgeInferError:  # longer than the engine reads in one pass
