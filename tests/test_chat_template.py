@@ -431,6 +431,35 @@ def test_work_that_swallowed_the_deadline_still_counts_as_late() -> None:
         traced(budget, swallowing["work"], 0.3)
 
 
+def test_work_past_a_swallowed_deadline_is_still_stopped_in_time() -> None:
+    # A generator the garbage collector closes while a huge template compiles swallows the
+    # Abort and drops the tracer: the compiler's remaining work must still be cut short.
+    from edgeinfer.chat._budget import Abort, Budget, Guard, traced
+
+    swallowing: dict[str, Any] = {"__name__": "jinja2.swallowing", "clock": time.monotonic}
+    exec(
+        "def step():\n"
+        "    return 1\n"
+        "def work(seconds):\n"
+        "    end = clock() + seconds\n"
+        "    try:\n"
+        "        while clock() < end - seconds + 0.1:\n"
+        "            pass\n"
+        "    except BaseException:\n"  # the first Abort, swallowed
+        "        pass\n"
+        "    while clock() < end:\n"  # then library work that calls: unwatched before
+        "        step()\n"
+        "    return 'done'\n",
+        swallowing,
+    )
+    budget = Budget(1000, 1000, time.monotonic() + 0.05, 0.05, 64, 64)
+    started = time.monotonic()
+    with pytest.raises(Abort, match="ran longer"), Guard(budget):
+        traced(budget, swallowing["work"], 5.0)
+    assert time.monotonic() - started < 0.05 + SLACK_S
+    assert sys.getprofile() is None and sys.gettrace() is None
+
+
 # -- the trace function: this thread only, and a caller's tracer is kept ----------------------
 
 SLOW_FILTER = "{{ ('<a> ' * 900000)|safe|striptags }}"

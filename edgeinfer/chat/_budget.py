@@ -50,6 +50,8 @@ class Budget:
     depth: int = 0
     tracer: TraceFunction | None = None  # made on first use by traced
     previous_tracer: TraceFunction | None = None  # the thread's, when the render began
+    previous_profiler: TraceFunction | None = None  # likewise (see _deadline_tracer)
+    watching: bool = False  # inside traced(): the tracer may re-arm itself
     # id -> (container, its text_size): containers the template made, so that measuring a
     # new one built from them does not go through them again
     sizes: dict[int, tuple[object, int]] = field(default_factory=dict)
@@ -218,6 +220,7 @@ class Guard:
 
     def __enter__(self) -> None:
         self.budget.previous_tracer = sys.gettrace()
+        self.budget.previous_profiler = sys.getprofile()
         self.saved = getattr(_local, "budget", None)
         _local.budget = self.budget
 
@@ -225,21 +228,27 @@ class Guard:
         _local.budget = self.saved
         if sys.gettrace() is not self.budget.previous_tracer:  # traced() restores it: a net
             sys.settrace(self.budget.previous_tracer)
+        if sys.getprofile() is not self.budget.previous_profiler:
+            sys.setprofile(self.budget.previous_profiler)
 
 
 def traced(budget: Budget, func: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
     """``func(*args, **kwargs)`` with the budget's deadline tracer installed: for library code
     (the compiler, filters) whose loops the budget's own checks do not reach."""
-    previous = sys.gettrace()
+    previous, profiler = sys.gettrace(), sys.getprofile()
     if budget.tracer is None:
         budget.tracer = _deadline_tracer(budget, budget.previous_tracer)
     elif previous is budget.tracer:
         return func(*args, **kwargs)
     sys.settrace(budget.tracer)
+    budget.watching = True
     try:
         result = func(*args, **kwargs)
     finally:
+        budget.watching = False
         sys.settrace(previous)
+        if sys.getprofile() is not profiler:  # the re-arming one (see _deadline_tracer)
+            sys.setprofile(profiler)
     # CPython drops a trace function once it raises: when the tracer's Abort went into a
     # frame that swallowed it (a generator closed by the garbage collector, a finalizer),
     # the work ran on unwatched; it must not count as done in time.
@@ -251,14 +260,25 @@ def _deadline_tracer(budget: Budget, previous: TraceFunction | None) -> TraceFun
     """A trace function that raises Abort at the first call or line, past the budget's
     deadline, of code a template can run. A finalizer or GC callback that happens to run then
     is left alone; a tracer that was already installed (a debugger's, coverage's) still gets
-    its events."""
+    its events.
+
+    CPython drops a trace function once it raises. Where a frame swallows the Abort (a
+    generator closed by the garbage collector, a finalizer), the work would run on unwatched:
+    so the first Abort also installs a profile function that puts the tracer back at the next
+    Python call, and the Abort comes again from there."""
     clock, deadline = time.monotonic, budget.deadline
     late = f"it ran longer than {budget.seconds:g} s"
 
     def on_line(frame: FrameType, event: str, arg: Any) -> Any:
         if clock() > deadline and _template_code(frame):
+            if budget.watching:
+                sys.setprofile(rearm)
             raise Abort(late)
         return on_line
+
+    def rearm(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and sys.gettrace() is None:
+            sys.settrace(top)
 
     def on_call_chained(frame: FrameType, event: str, arg: Any) -> Any:
         on_line(frame, event, arg)
@@ -267,7 +287,8 @@ def _deadline_tracer(budget: Budget, previous: TraceFunction | None) -> TraceFun
             sys.settrace(on_call_chained)
         return on_line if theirs is None else _chained(theirs, on_line)
 
-    return on_line if previous is None else on_call_chained
+    top = on_line if previous is None else on_call_chained
+    return top
 
 
 def _template_code(frame: FrameType) -> bool:
