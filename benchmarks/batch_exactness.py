@@ -9,6 +9,11 @@ how many of the eight outputs equal the reference token for token, and where eac
 one first differs.
 
     python benchmarks/batch_exactness.py [-o benchmarks/results/batch_exactness.json]
+        [--routes llama.cpp,onnxruntime] [--model NAME]
+
+``--model`` takes another catalog model (its GGUF on llama.cpp, the catalog name on the
+ONNX route), for example a Q4_K_M file, whose K-quant and repacked weights llama.cpp
+computes with kernels that change with a batch's rows.
 
 A difference means a kernel whose sums depend on the batch: matrix products whose blocking
 or row grouping changes with the number of rows, attention over slots of other lengths, a
@@ -154,21 +159,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-o", "--output", type=Path, default=OUT)
     parser.add_argument("--routes", default="llama.cpp,onnxruntime", help="which routes to measure")
+    parser.add_argument("--model", default=catalog.DEFAULT_MODEL, help="a catalog model's name")
     args = parser.parse_args()
-    gguf = str(catalog.fetch(catalog.DEFAULT_MODEL))
+    gguf = str(catalog.fetch(args.model))
     # token ids, not times, are measured: no wait for a quiet machine, but its load is kept
     cond = conditions.start(THREADS, 1, wait=False)
     base = {"context_length": CONTEXT, "threads": THREADS}
     targets = {
         "llama.cpp": (gguf, {**base, "engine": "llama.cpp"}),
-        "onnxruntime": (catalog.DEFAULT_MODEL, {**base, "engine": "onnxruntime"}),
+        "onnxruntime": (args.model, {**base, "engine": "onnxruntime"}),
     }
     results = []
     for route in args.routes.split(","):
         target, options = targets[route]
         print(f"{route}: {target}", file=sys.stderr)
         result = measure(route, target, options)
-        result["command"] = ["python", "benchmarks/batch_exactness.py", "--routes", route]
+        result["command"] = ["python", "benchmarks/batch_exactness.py", "--routes", route,
+                             "--model", args.model]  # fmt: skip
         for size, row in result["by_batch_size"].items():
             same = f"{row['identical']}/{row['sequences']} identical"
             where = f"earliest difference at {row['earliest_difference']}"

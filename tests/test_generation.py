@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from edgeinfer import EdgeInferError, InvalidRequestError, ModelBusyError
-from edgeinfer.generation.results import REUSE_GRANULE
+from edgeinfer.generation.results import MIN_REREAD, REUSE_GRANULE
 from edgeinfer.generation.turns import Turns
 from edgeinfer.model import Model
 
@@ -97,17 +97,21 @@ def test_prompt_prefix_is_reused_and_output_matches_a_fresh_model() -> None:
     assert second.token_ids == expected.token_ids
 
 
-def test_same_prompt_twice_prefills_its_last_two_tokens() -> None:
+def test_same_prompt_twice_reads_at_least_its_last_eight_tokens_again() -> None:
     model, backend = make()
-    prompt = "again " * 5 + "again"  # 35 tokens: 33 could be reused, 32 are
+    prompt = "again " * 7 + "agai"  # 46 tokens: 38 could be reused, 32 are
     a = model.generate(prompt, max_new_tokens=5, temperature=0)
     b = model.generate(prompt, max_new_tokens=5, temperature=0)
     assert a.token_ids == b.token_ids
-    assert b.stats.reused_prompt_tokens == 32 and backend.prefilled[-1] == 3
-    prompt = "x" * 34  # 32 may be reused and 2 prefilled again
+    assert b.stats.reused_prompt_tokens == 32 and backend.prefilled[-1] == 14
+    prompt = "x" * 40  # 32 may be reused and 8 read again
     model.generate(prompt, max_new_tokens=2, temperature=0)
     c = model.generate(prompt, max_new_tokens=2, temperature=0)
-    assert c.stats.reused_prompt_tokens == 32 and backend.prefilled[-1] == 2
+    assert c.stats.reused_prompt_tokens == 32 and backend.prefilled[-1] == MIN_REREAD
+    prompt = "y" * 39  # one short of that: read whole
+    model.generate(prompt, max_new_tokens=2, temperature=0)
+    d = model.generate(prompt, max_new_tokens=2, temperature=0)
+    assert d.stats.reused_prompt_tokens == 0 and backend.prefilled[-1] == 39
 
 
 def test_breaking_out_of_a_stream_leaves_the_model_usable() -> None:

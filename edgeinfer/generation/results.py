@@ -39,7 +39,9 @@ logger = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length", "cancelled", "tool_calls"]
 
-_MIN_PREFILL = 2  # prompt tokens always prefilled, even when all are in the cache
+# Prompt tokens always read again, even when all are in the cache (see KVHistory): the read
+# then has at least as many rows as the kernels that change with a batch's size switch at.
+MIN_REREAD = 8
 # Reuse ends at a multiple of this many tokens (see KVHistory): every prompt token then sits
 # at the same place within its batch's row groups as in a fresh read.
 REUSE_GRANULE = 32
@@ -123,6 +125,14 @@ class KVHistory:
     every new token in the same batch position (modulo 32) as a fresh read, and a reused
     cache gives what an empty one gives, on any kernel that groups rows by a power of two up
     to 32.
+
+    Kernels also change with a batch's size: llama.cpp computes K-quant weights (Q4_K, Q5_K,
+    Q6_K, ...) with a tiled kernel from 8 rows up and row by row below, and onnxruntime's
+    4-bit MatMul takes another kernel for one row; the sums differ (a Q4_K_M file's logits by
+    up to ~0.4 after a prompt read whole or with its last 1 to 7 tokens apart). So at least
+    ``MIN_REREAD`` tokens are read again: the re-read's last batch then has 8 rows or more
+    where the fresh read's had, and is the same short batch where it had fewer (both end at
+    the prompt's end, and every cut is at a multiple of the batch size).
     """
 
     def __init__(self) -> None:
@@ -142,11 +152,11 @@ class KVHistory:
         """Rewind ``backend`` to the longest common prefix with ``prompt`` among the entries
         prefill wrote; return its length.
 
-        At least two prompt tokens (or the whole prompt) are always prefilled again: prefill
-        yields the logits, and a one-token batch is computed by another kernel than a longer
-        one, so a repeated prompt would otherwise not give what it gave the first time.
+        At least ``MIN_REREAD`` prompt tokens (or the whole prompt) are always read again:
+        prefill yields the logits, and a batch of fewer rows is computed by other kernels, so
+        a repeated prompt would otherwise not give what it gave the first time.
         """
-        limit = min(self.batched, len(prompt) - _MIN_PREFILL, backend.n_past)
+        limit = min(self.batched, len(prompt) - MIN_REREAD, backend.n_past)
         if not backend.reuse_is_exact:
             limit = 0  # the engine's sums depend on how the prompt was split: read it whole
         n = 0

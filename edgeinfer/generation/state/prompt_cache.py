@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgeinfer.errors import EdgeInferError, InvalidRequestError, SnapshotError
 from edgeinfer.files.catalog import edgeinfer_home
-from edgeinfer.generation.results import shared_prefix
+from edgeinfer.generation.results import MIN_REREAD, REUSE_GRANULE, shared_prefix
 
 from .sequence import Capture, SeqStates
 from .snapshot import open_snapshot, read_header
@@ -51,8 +51,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MIN_TOKENS = 256  # prompt tokens prefilled before a snapshot is worth its disk read
 DEFAULT_MAX_BYTES = 2 << 30
 SUFFIX = ".kvs"
-_GRANULE = 32  # generation.REUSE_GRANULE (not imported: generation imports this package)
-_MIN_PREFILL = 2  # generation._MIN_PREFILL
 _STALE_TMP_S = 3600.0
 _OWN_NAME = re.compile(r"[0-9a-f]{40}\.kvs")
 _OWN_TMP = re.compile(r"\.[0-9a-f]{40}\.kvs\.[0-9]{1,10}\.tmp")
@@ -263,7 +261,7 @@ class PromptCache:
         ``prompt``): copy its KV and write it in the background, if worth it."""
         if prefilled < self.min_tokens or len(prompt) < self.min_tokens:
             return
-        n = len(prompt) - len(prompt) % _GRANULE  # the most a longer prompt can reuse of it
+        n = len(prompt) - len(prompt) % REUSE_GRANULE  # the most a longer prompt can reuse of it
         with self._lock:
             entries = [e for e in self._entries.values() if e.fingerprint == states.fingerprint]
         if any(shared_prefix(e.tokens[: e.reusable], prompt) >= n for e in entries):
@@ -384,8 +382,8 @@ class PromptCache:
 
 def _aligned(common: int, prompt_len: int) -> int:
     """What the reuse rule lets a prompt of ``prompt_len`` reuse of a ``common`` prefix."""
-    n = min(common, prompt_len - _MIN_PREFILL)
-    return max(0, n - n % _GRANULE)
+    n = min(common, prompt_len - MIN_REREAD)
+    return max(0, n - n % REUSE_GRANULE)
 
 
 def _name(fingerprint: dict[str, Any], tokens: list[int]) -> str:
