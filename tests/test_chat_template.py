@@ -453,11 +453,27 @@ def test_work_past_a_swallowed_deadline_is_still_stopped_in_time() -> None:
         swallowing,
     )
     budget = Budget(1000, 1000, time.monotonic() + 0.05, 0.05, 64, 64)
+    before = sys.gettrace(), sys.getprofile()
     started = time.monotonic()
     with pytest.raises(Abort, match="ran longer"), Guard(budget):
         traced(budget, swallowing["work"], 5.0)
     assert time.monotonic() - started < 0.05 + SLACK_S
-    assert sys.getprofile() is None and sys.gettrace() is None
+    assert (sys.gettrace(), sys.getprofile()) == before
+
+
+def test_a_callers_profiler_is_left_alone_past_the_deadline() -> None:
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        installed = sys.getprofile()
+        with mock.patch.object(chat_template, "RENDER_DEADLINE_S", 0.3):
+            with pytest.raises(ChatTemplateError, match=r"ran longer|limit"):
+                render(SLOW_FILTER)
+        assert sys.getprofile() is installed
+    finally:
+        profiler.disable()
 
 
 # -- the trace function: this thread only, and a caller's tracer is kept ----------------------

@@ -50,8 +50,8 @@ class Budget:
     depth: int = 0
     tracer: TraceFunction | None = None  # made on first use by traced
     previous_tracer: TraceFunction | None = None  # the thread's, when the render began
-    previous_profiler: TraceFunction | None = None  # likewise (see _deadline_tracer)
-    watching: bool = False  # inside traced(): the tracer may re-arm itself
+    rearm: TraceFunction | None = None  # the profile function that re-arms the tracer
+    watching: int = 0  # traced() calls running: the tracer may re-arm itself
     # id -> (container, its text_size): containers the template made, so that measuring a
     # new one built from them does not go through them again
     sizes: dict[int, tuple[object, int]] = field(default_factory=dict)
@@ -220,35 +220,34 @@ class Guard:
 
     def __enter__(self) -> None:
         self.budget.previous_tracer = sys.gettrace()
-        self.budget.previous_profiler = sys.getprofile()
         self.saved = getattr(_local, "budget", None)
         _local.budget = self.budget
 
     def __exit__(self, *exc_info: object) -> None:
         _local.budget = self.saved
+        if self.budget.rearm is not None and sys.getprofile() is self.budget.rearm:
+            sys.setprofile(None)  # traced() removes it: a net, as below
         if sys.gettrace() is not self.budget.previous_tracer:  # traced() restores it: a net
             sys.settrace(self.budget.previous_tracer)
-        if sys.getprofile() is not self.budget.previous_profiler:
-            sys.setprofile(self.budget.previous_profiler)
 
 
 def traced(budget: Budget, func: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
     """``func(*args, **kwargs)`` with the budget's deadline tracer installed: for library code
     (the compiler, filters) whose loops the budget's own checks do not reach."""
-    previous, profiler = sys.gettrace(), sys.getprofile()
+    previous = sys.gettrace()
     if budget.tracer is None:
         budget.tracer = _deadline_tracer(budget, budget.previous_tracer)
     elif previous is budget.tracer:
         return func(*args, **kwargs)
     sys.settrace(budget.tracer)
-    budget.watching = True
+    budget.watching += 1
     try:
         result = func(*args, **kwargs)
     finally:
-        budget.watching = False
+        budget.watching -= 1
+        if not budget.watching and sys.getprofile() is budget.rearm:  # see _deadline_tracer
+            sys.setprofile(None)
         sys.settrace(previous)
-        if sys.getprofile() is not profiler:  # the re-arming one (see _deadline_tracer)
-            sys.setprofile(profiler)
     # CPython drops a trace function once it raises: when the tracer's Abort went into a
     # frame that swallowed it (a generator closed by the garbage collector, a finalizer),
     # the work ran on unwatched; it must not count as done in time.
@@ -264,14 +263,17 @@ def _deadline_tracer(budget: Budget, previous: TraceFunction | None) -> TraceFun
 
     CPython drops a trace function once it raises. Where a frame swallows the Abort (a
     generator closed by the garbage collector, a finalizer), the work would run on unwatched:
-    so the first Abort also installs a profile function that puts the tracer back at the next
-    Python call, and the Abort comes again from there."""
+    so the first Abort inside traced() also installs a profile function that puts the tracer
+    back at the next Python call, and the Abort comes again from there. Not where a profiler
+    is installed (cProfile's, a caller's): that is left alone, and work that swallowed the
+    Abort then runs to its end before traced() counts it late; so does a frame that swallows
+    it and then makes no Python call."""
     clock, deadline = time.monotonic, budget.deadline
     late = f"it ran longer than {budget.seconds:g} s"
 
     def on_line(frame: FrameType, event: str, arg: Any) -> Any:
         if clock() > deadline and _template_code(frame):
-            if budget.watching:
+            if budget.watching and sys.getprofile() is None:
                 sys.setprofile(rearm)
             raise Abort(late)
         return on_line
@@ -288,6 +290,7 @@ def _deadline_tracer(budget: Budget, previous: TraceFunction | None) -> TraceFun
         return on_line if theirs is None else _chained(theirs, on_line)
 
     top = on_line if previous is None else on_call_chained
+    budget.rearm = rearm
     return top
 
 

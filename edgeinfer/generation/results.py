@@ -132,7 +132,10 @@ class KVHistory:
     up to ~0.4 after a prompt read whole or with its last 1 to 7 tokens apart). So at least
     ``MIN_REREAD`` tokens are read again: the re-read's last batch then has 8 rows or more
     where the fresh read's had, and is the same short batch where it had fewer (both end at
-    the prompt's end, and every cut is at a multiple of the batch size).
+    the prompt's end, and every cut is at a multiple of the batch size). 8 is the switch in
+    the llama.cpp that llama-cpp-python vendors, built for the CPU as it is by default (its
+    tiled kernel; its ARM float16 kernel too); a build with other kernels (KleidiAI's, which
+    switch at 128 rows) is not covered.
     """
 
     def __init__(self) -> None:

@@ -9,8 +9,11 @@ Callers (threads, the server, a batch job) submit requests; each step the loop
 3. runs one forward pass (``decode_many``) carrying the next token of every decoding slot;
 4. reads a chunk of one prefilling slot's prompt: the whole rest when nothing decodes, else a
    chunk of at most ``max_step_tokens`` minus the decoding slots, cut at absolute positions
-   that are multiples of ``REUSE_GRANULE`` (so a prompt read in chunks is batched as when it
-   is read whole, and running streams keep decoding while a long prompt joins);
+   that are multiples of ``REUSE_GRANULE`` (so every prompt token keeps its place within
+   the row groups of a whole read, and running streams keep decoding while a long prompt
+   joins; a chunk's rows share the step with the decoding slots' rows, so on kernels that
+   change with a step's row count, such as llama.cpp's for K-quant weights, a reply at
+   ``parallel`` above 1 can depend on its neighbours: docs/many-requests.md);
 
 and hands each slot's logits to its own ``SequenceState`` (sampler, grammar matcher, stop
 strings, detokenizer), whose chunks go to that request's queue. Cancelling one sequence
