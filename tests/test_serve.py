@@ -136,13 +136,15 @@ def test_chat_matches_the_python_api_with_usage(
 
 def test_streamed_chat_equals_the_whole_reply(server: Server) -> None:
     client = server.client()
+    # long enough that its second read reuses 32 tokens and still reads 8 or more again
+    messages = [{"role": "user", "content": "Hello there, how are you on this fine day?"}]
     whole = client.chat.completions.create(
-        model=MODEL_ID, messages=MESSAGES, logit_bias=BAN_EOS, **GREEDY
+        model=MODEL_ID, messages=messages, logit_bias=BAN_EOS, **GREEDY
     )
     chunks = list(
         client.chat.completions.create(
             model=MODEL_ID,
-            messages=MESSAGES,
+            messages=messages,
             logit_bias=BAN_EOS,
             stream=True,
             stream_options={"include_usage": True},
