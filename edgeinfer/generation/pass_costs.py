@@ -5,8 +5,8 @@ Speculative decoding drafts only while the drafts it expects to keep pay for the
 machine, for this model and engine: on onnxruntime a pass over 9 tokens may cost 3 steps, on
 llama.cpp's CPU kernels 7. ``PassCosts.calibrate`` times them on the model itself when it is
 loaded with a setting that reads them ("auto", "draft:NAME": a few passes on an empty cache,
-which it leaves empty), and every
-step and pass that runs afterwards refines them (a moving average). A k never timed is
+which it leaves empty), and every step and pass that runs afterwards refines them (a moving
+average). A k never timed is
 interpolated between the nearest two that were; before anything is timed a guess stands in.
 """
 
@@ -15,10 +15,12 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import EdgeInferError
+from .slot_views import SlotView, view_of
 
 if TYPE_CHECKING:
     from ..runtimes.base import Backend
@@ -121,14 +123,14 @@ class PassCosts:
             logger.info("speculative decoding: the context is too short to time passes in")
             return
         began = time.perf_counter()
-        slotted = _Slot(backend, slot)
+        view = view_of(backend, slot)
         try:
-            steps, passes = _timings(slotted, prompt, read, ks)
+            steps, passes = _timings(view, prompt, read, ks)
         except Exception as exc:  # timing is optional: never the reason a load fails
             logger.warning("speculative decoding: passes could not be timed at load: %s", exc)
             return
         finally:
-            slotted.empty()
+            _empty(view)
         self.step_s = min(steps)
         self.pass_s.update({k: min(v) for k, v in passes.items() if v})
         logger.info(
@@ -141,19 +143,20 @@ class PassCosts:
 
 
 def _timings(
-    slotted: _Slot, prompt: list[int], read: list[int], ks: list[int]
+    view: SlotView, prompt: list[int], read: list[int], ks: list[int]
 ) -> tuple[list[float], dict[int, list[float]]]:
     """Seconds of one-token steps and of passes over 1 + k tokens after ``prompt``."""
     steps: list[float] = []
     passes: dict[int, list[float]] = {k: [] for k in ks}
-    slotted.prefill(prompt)
+    view.rewind(0)
+    view.prefill(prompt)
     for r in range(_CALIBRATION_ROUNDS + 1):
-        timed = slotted.timed("decode", read[r % len(read)])
+        timed = _timed(view, view.decode, read[r % len(read)], len(prompt))
         if r:
             steps.append(timed)
         for k in list(passes):  # a pass the engine refused is gone from it
             try:
-                timed = slotted.timed("forward", read[: k + 1])
+                timed = _timed(view, view.forward, read[: k + 1], len(prompt))
             except EdgeInferError:  # longer than the engine reads in one pass
                 del passes[k]
                 continue
@@ -162,37 +165,20 @@ def _timings(
     return steps, passes
 
 
-class _Slot:
-    """One slot of a backend: its methods with the slot given where the backend takes one
-    (a backend of many slots); a timed call is rewound to the prompt after its timing."""
+def _timed(view: SlotView, run: Callable[[Any], object], tokens: Any, base: int) -> float:
+    """Seconds of ``run(tokens)`` (a step or a pass); then rewound to ``base``, untimed."""
+    start = time.perf_counter()
+    try:
+        run(tokens)
+        return time.perf_counter() - start
+    finally:
+        view.rewind(base)
 
-    def __init__(self, backend: Backend, slot: int) -> None:
-        self._backend, self._slot = backend, slot
-        self._slots = getattr(backend, "n_slots", 1) > 1 or slot != 0
-        self._base = 0
 
-    def _call(self, name: str, *args: object) -> object:
-        method = getattr(self._backend, name)
-        return method(*args, self._slot) if self._slots else method(*args)
-
-    def prefill(self, ids: list[int]) -> None:
-        self._call("rewind", 0)
-        self._call("prefill", ids)
-        self._base = len(ids)
-
-    def timed(self, name: str, tokens: int | list[int]) -> float:
-        """Seconds of ``name`` (decode or forward) over ``tokens``; then rewound, untimed."""
-        start = time.perf_counter()
-        try:
-            self._call(name, tokens)
-            return time.perf_counter() - start
-        finally:
-            self._call("rewind", self._base)
-
-    def empty(self) -> None:
-        """The slot as load() left it; a backend that cannot even rewind is left to the
-        next request's own rewind (its history is empty), and said so."""
-        try:
-            self._call("rewind", 0)
-        except Exception as exc:
-            logger.warning("speculative decoding: the timed slot could not be emptied: %s", exc)
+def _empty(view: SlotView) -> None:
+    """The slot as load() left it; a backend that cannot even rewind is left to the next
+    request's own rewind (its history is empty), and said so."""
+    try:
+        view.rewind(0)
+    except Exception as exc:
+        logger.warning("speculative decoding: the timed slot could not be emptied: %s", exc)

@@ -44,7 +44,8 @@ import numpy as np
 from ..errors import EdgeInferError, InvalidRequestError, ModelBusyError
 from .delivery import Submitted, Task, consume, delivered, merged_cancelled, never_started
 from .results import REUSE_GRANULE, Chunk, KVHistory, SequenceState
-from .slots import OneSlot, Slot, SlotView, rewind_quietly, slide, slot_for, submitted
+from .slot_views import as_slots
+from .slots import Slot, SlotView, rewind_quietly, slide, slot_for, submitted
 from .speculative import draft, drop_unkept, feed
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ class Engine:
         threaded: bool = True,
         history: KVHistory | None = None,
     ) -> None:
-        slotted: SlotBackend = backend if hasattr(backend, "n_slots") else OneSlot(backend)  # type: ignore[assignment,arg-type]
+        slotted = as_slots(backend)
         self._backend = slotted
         # a prompt cache (edgeinfer.generation.state.attached): prefixes from disk
         self._disk = disk

@@ -1,14 +1,11 @@
-"""A slot backend's sequences seen one at a time: ``SlotView`` (one slot as a plain
-single-sequence backend, what ``KVHistory``, ``slide``, the prompt cache and speculative
-decoding drive), ``OneSlot`` (a plain backend seen as a slot backend of one slot, so the
-generation loop drives every backend the same way), ``slide`` (room made in a full cache)
-and ``Slot`` (what the loop keeps of each slot), with the loop's rule for which free slot a
-request takes (``slot_for``)."""
+"""A slot backend's sequences seen one at a time (``SlotView`` and ``OneSlot``, in
+``slot_views``, re-exported here), ``slide`` (room made in a full cache) and ``Slot`` (what
+the loop keeps of each slot), with the loop's rule for which free slot a request takes
+(``slot_for``)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -16,85 +13,14 @@ import numpy as np
 
 from .delivery import Submitted
 from .results import REUSE_GRANULE, KVHistory, SequenceState, shared_prefix
+from .slot_views import OneSlot, SlotView
 
 if TYPE_CHECKING:
-    from ..runtimes.base import Backend, SlotBackend
+    from ..runtimes.base import Backend
 
 __all__ = ["OneSlot", "Slot", "SlotView", "rewind_quietly", "slide", "slot_for", "submitted"]
 
 logger = logging.getLogger(__name__)
-
-
-class OneSlot:
-    """A plain ``Backend`` (one sequence, no slot argument) seen as a slot backend of one
-    slot, so the engine drives it as it drives any other."""
-
-    n_slots = 1
-
-    def __init__(self, backend: Backend) -> None:
-        self._backend = backend
-        self.tokenizer = backend.tokenizer
-
-    @property
-    def n_ctx(self) -> int:
-        return self._backend.n_ctx
-
-    @property
-    def reuse_is_exact(self) -> bool:
-        return self._backend.reuse_is_exact
-
-    def slot_past(self, slot: int) -> int:
-        return self._backend.n_past
-
-    def prefill(self, token_ids: Sequence[int], slot: int = 0) -> np.ndarray:
-        return self._backend.prefill(token_ids)
-
-    def decode(self, token_id: int, slot: int = 0) -> np.ndarray:
-        return self._backend.decode(token_id)
-
-    def forward(self, token_ids: Sequence[int], slot: int = 0) -> np.ndarray:
-        return self._backend.forward(token_ids)  # type: ignore[attr-defined]
-
-    def rewind(self, n: int, slot: int = 0) -> None:
-        self._backend.rewind(n)
-
-    def decode_many(self, steps: Sequence[tuple[int, int]]) -> np.ndarray:
-        ((_, token),) = steps
-        return self._backend.decode(token)[None, :]
-
-
-class SlotView:
-    """One slot of a slot backend seen as a single-sequence backend (what ``KVHistory``,
-    ``slide``, the prompt cache and speculative decoding drive)."""
-
-    def __init__(self, backend: SlotBackend, slot: int) -> None:
-        self._backend = backend
-        self.slot = slot
-        self.tokenizer = backend.tokenizer
-
-    @property
-    def n_ctx(self) -> int:
-        return self._backend.n_ctx
-
-    @property
-    def n_past(self) -> int:
-        return self._backend.slot_past(self.slot)
-
-    @property
-    def reuse_is_exact(self) -> bool:
-        return self._backend.reuse_is_exact
-
-    def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
-        return self._backend.prefill(token_ids, self.slot)
-
-    def decode(self, token_id: int) -> np.ndarray:
-        return self._backend.decode(token_id, self.slot)
-
-    def forward(self, token_ids: Sequence[int]) -> np.ndarray:
-        return self._backend.forward(token_ids, self.slot)  # type: ignore[attr-defined]
-
-    def rewind(self, n: int) -> None:
-        self._backend.rewind(n, self.slot)
 
 
 def slide(backend: Backend | SlotView, history: KVHistory, token: int, keep: int) -> np.ndarray:
