@@ -100,7 +100,7 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "first_burst_tok_s": first,
         "later_tok_s": statistics.median(later),
-        "later_range_tok_s": [min(later), max(later)],
+        "later_range_tok_s": _range(later),
         "first_over_later": first / statistics.median(later),
         "first_ttft_s": first_ttft,
         "later_ttft_s": later_ttft,
