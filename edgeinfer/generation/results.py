@@ -128,8 +128,9 @@ class KVHistory:
 
     Kernels also change with a batch's size: llama.cpp computes K-quant weights (Q4_K, Q5_K,
     Q6_K, ...) with a tiled kernel from 8 rows up and row by row below, and onnxruntime's
-    4-bit MatMul takes another kernel for one row; the sums differ (a Q4_K_M file's logits by
-    up to ~0.4 after a prompt read whole or with its last 1 to 7 tokens apart). So at least
+    4-bit MatMul takes another kernel for one row; the sums differ (a Q4_K_M file's logits,
+    and its greedy replies, after a prompt read whole or with its last tokens apart:
+    tests/test_reuse_kquants.py fails under a re-read of 2). So at least
     ``MIN_REREAD`` tokens are read again: the re-read's last batch then has 8 rows or more
     where the fresh read's had, and is the same short batch where it had fewer (both end at
     the prompt's end, and every cut is at a multiple of the batch size). 8 is the switch in
